@@ -1,0 +1,195 @@
+"""GRPO-RoC: Resample-on-Correct down-sampling, group advantages, clipped loss.
+
+What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
+
+1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5
+   when it made none (to encourage tool use). Failures are read from the
+   trajectory's structured `tool_failures` (error, timeout, oom, parse); the
+   official code instead looks for the substring "error" in each
+   <tool_response>, which misses plain timeouts and flags programs that print
+   the word. p_format = 1 without an <answer>, else
+   min(1, (#answers - 1) / #turns), where #turns counts every assistant turn
+   (the official code misses the first, so one-turn answers always get 1).
+2. Groups whose rewards are all equal are dropped: their advantages are all
+   zero, so they carry no gradient. There is no refill; the batch shrinks.
+3. Negatives: floor(|neg| / 2) kept uniformly at random, as in the paper.
+   Departure: at least one is kept. With a single negative the paper's floor
+   keeps none, and the kept group is all-correct: zero advantage, wasted.
+   (The official code keeps the first k in rollout order, k rounded in
+   proportion, at least 2.)
+4. Positives fill the rest of G, sampled without replacement (one draw at a
+   time) with probability proportional to 1 / (p_total + eps), eps = 1e-3,
+   as in the paper; the official code deterministically takes the lowest
+   p_total first. At least one positive survives. Beyond the paper's exact
+   2G -> G case: if positives run short, more negatives fill G; a group of at
+   most G rollouts is kept whole and flagged `short_group`.
+5. `downsample_uniform` is the plain "GRPO with tool" ablation at equal
+   compute: it drops all-equal groups exactly like (2), so both arms train on
+   the same problems, then keeps G of the 2G uniformly at random. A subset can
+   by chance be all-equal; it is kept (zero advantage), as plain GRPO with G
+   rollouts would keep it.
+6. Advantage: (r - mean) / (std + 1e-6) over the kept G, with the unbiased
+   (Bessel-corrected) std of torch.std, as verl does; a group of one gets 0.
+   The same value applies to every token of the rollout.
+7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level:
+   the sum over masked-in tokens divided by `n_loss_tokens`, the token count
+   of the whole step (all micro-batches, all ranks), so any split of the
+   batch gives the gradient of one big batch (DAPO). No KL term, no entropy
+   bonus, and no dual clip (verl's default c = 3 is not in the paper).
+8. Loss metrics are normalised by `n_loss_tokens` like the loss itself, so
+   they add up over micro-batches and ranks to step-level means.
+
+Both down-samplers take `rng`, a `random.Random`, and return
+`(kept, stats)`: `kept` is the kept trajectories in their original order
+([] for a dropped group); `stats` holds ints that can be summed over groups:
+dropped_all_equal (0/1), short_group (0/1), n_pos and n_neg (kept counts).
+A rollout is positive when its reward is > 0.
+"""
+import random
+
+import torch
+
+from rollout import Trajectory
+
+PENALTY_EPS = 1e-3   # (4) keeps 1 / p_total finite for a flawless rollout
+ADV_EPS = 1e-6       # (6) verl's epsilon in the std denominator
+
+
+# -----------------------------------------------------------------------------
+# (1) penalties of a correct rollout
+
+def tool_error_penalty(traj: Trajectory) -> float:
+    """Failed tool calls / tool calls; 0.5 when the rollout made no call."""
+    if traj.tool_calls == 0:
+        return 0.5
+    return min(1.0, traj.num_tool_failures / traj.tool_calls)
+
+
+def format_penalty(traj: Trajectory) -> float:
+    """1 without an <answer>, else min(1, (#answers - 1) / #turns)."""
+    if traj.num_answers == 0:
+        return 1.0
+    return min(1.0, (traj.num_answers - 1) / max(traj.num_turns, 1))
+
+
+def total_penalty(traj: Trajectory) -> float:
+    return tool_error_penalty(traj) + format_penalty(traj)
+
+
+# -----------------------------------------------------------------------------
+# (2)-(5) down-sampling 2G rollouts of one problem to G
+
+def _stats(dropped=0, short=0, kept=()):
+    n_pos = sum(1 for t in kept if t.reward > 0)
+    return {"dropped_all_equal": dropped, "short_group": short,
+            "n_pos": n_pos, "n_neg": len(kept) - n_pos}
+
+
+def _weighted_sample(items, weights, k, rng):
+    """k items without replacement: each draw picks among those left, with
+    probability proportional to its weight (successive sampling)."""
+    items, weights, chosen = list(items), list(weights), []
+    for _ in range(min(k, len(items))):
+        x = rng.random() * sum(weights)
+        i = 0
+        while i < len(items) - 1 and x >= weights[i]:
+            x -= weights[i]
+            i += 1
+        chosen.append(items.pop(i))
+        weights.pop(i)
+    return chosen
+
+
+def _prefilter(group, group_size):
+    """(2) and the short-group rule, shared by both down-samplers.
+    Returns (kept, stats) when the decision is already made, else None."""
+    if len({t.reward for t in group}) <= 1:
+        return [], _stats(dropped=1)                       # (2)
+    if len(group) <= group_size:
+        return list(group), _stats(short=int(len(group) < group_size), kept=group)  # (4)
+    return None
+
+
+def _in_order(group, chosen):
+    ids = {id(t) for t in chosen}
+    return [t for t in group if id(t) in ids]
+
+
+def resample_on_correct(group: list[Trajectory], group_size: int,
+                        rng: random.Random, eps: float = PENALTY_EPS):
+    """GRPO-RoC down-sampling of one problem's rollouts to `group_size`."""
+    decided = _prefilter(group, group_size)
+    if decided is not None:
+        return decided
+    pos = [t for t in group if t.reward > 0]
+    neg = [t for t in group if t.reward <= 0]
+    n_neg = min(max(1, len(neg) // 2), group_size - 1)      # (3) at least one, room for a positive
+    n_pos = min(len(pos), group_size - n_neg)               # (4) positives fill the rest
+    n_neg = min(len(neg), group_size - n_pos)               # (4) top up with negatives if short
+    kept_neg = rng.sample(neg, n_neg)                       # (3) uniform
+    weights = [1.0 / (total_penalty(t) + eps) for t in pos]
+    kept_pos = _weighted_sample(pos, weights, n_pos, rng)   # (4) prob ~ 1 / p_total
+    kept = _in_order(group, kept_neg + kept_pos)
+    return kept, _stats(kept=kept)
+
+
+def downsample_uniform(group: list[Trajectory], group_size: int,
+                       rng: random.Random):
+    """(5) The no-RoC ablation: same all-equal drop, then G uniformly."""
+    decided = _prefilter(group, group_size)
+    if decided is not None:
+        return decided
+    kept = _in_order(group, rng.sample(list(group), group_size))
+    return kept, _stats(kept=kept)
+
+
+# -----------------------------------------------------------------------------
+# (6) group advantages
+
+def group_advantages(rewards) -> torch.Tensor:
+    """(r - mean) / (std + 1e-6) over one kept group, unbiased std; (G,)."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()  # (G,)
+    if r.numel() < 2:
+        return torch.zeros_like(r)                  # (6) a group of one: nothing to compare
+    return (r - r.mean()) / (r.std(unbiased=True) + ADV_EPS)  # (G,)
+
+
+# -----------------------------------------------------------------------------
+# (7)-(8) the clipped token-level policy loss
+
+def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
+                eps_low=0.2, eps_high=0.28):
+    """PPO-clip with Clip-Higher, summed over masked-in tokens / n_loss_tokens.
+
+    logp (B, T) carries the gradient; old_logp (B, T) is the behaviour policy;
+    advantages (B,) is broadcast over tokens; loss_mask (B, T) is 1 on tokens
+    the policy sampled. n_loss_tokens is the masked-in token count of the whole
+    step (all micro-batches and ranks). Returns (loss, metrics) where metrics
+    are floats, each a masked sum / n_loss_tokens (8):
+    clip_frac_low (A < 0 and ratio < 1 - eps_low: clipped, no gradient),
+    clip_frac_high (A > 0 and ratio > 1 + eps_high), ratio_mean, and approx_kl
+    (k3 estimate of KL(old || new): ratio - 1 - log ratio).
+    """
+    mask = loss_mask.to(torch.bool)                                        # (B, T)
+    loss_mask = mask.to(logp.dtype)                                        # (B, T)
+    # zero the log-ratio off the mask so padding can never make inf * 0 = nan
+    log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))  # (B, T)
+    ratio = torch.exp(log_ratio)                                           # (B, T)
+    adv = advantages.detach().to(logp.dtype).unsqueeze(1)                  # (B, 1)
+    unclipped = ratio * adv                                                # (B, T)
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv      # (B, T)
+    per_token = -torch.minimum(unclipped, clipped)                         # (B, T)
+    loss = (per_token * loss_mask).sum() / n_loss_tokens                   # (7)
+
+    with torch.no_grad():
+        n = float(n_loss_tokens)
+        low = (adv < 0) & (ratio < 1.0 - eps_low) & mask                   # (B, T)
+        high = (adv > 0) & (ratio > 1.0 + eps_high) & mask                 # (B, T)
+        k3 = (ratio - 1.0) - log_ratio                                     # (B, T)
+        metrics = {
+            "clip_frac_low": low.sum().item() / n,
+            "clip_frac_high": high.sum().item() / n,
+            "ratio_mean": (ratio * loss_mask).sum().item() / n,
+            "approx_kl": (k3 * loss_mask).sum().item() / n,
+        }
+    return loss, metrics
