@@ -73,6 +73,7 @@ def format_penalty(traj: Trajectory) -> float:
 
 
 def total_penalty(traj: Trajectory) -> float:
+    """p_total = p_err + p_format, in [0, 2]; also handy for logging."""
     return tool_error_penalty(traj) + format_penalty(traj)
 
 
