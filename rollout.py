@@ -31,3 +31,280 @@ class Trajectory:
     @property
     def num_tool_failures(self) -> int:
         return sum(self.tool_failures.values())
+
+
+# -----------------------------------------------------------------------------
+# The conversation format (paper Fig. 3; DESIGN.md §3 "Prompt" and "Turns").
+# One place renders conversations: SFT, RL and eval all go through these.
+
+import json
+import re
+
+TOOL_NAME = "execute_python_code_with_standard_io"
+
+_TOOL_SPEC = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "Execute Python code with standard input and capture standard output. "
+                       "The code runs as a script; the input string is given to it on stdin, and "
+                       "whatever it prints to stdout is returned. If the code raises an error, the "
+                       "error message is returned instead.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "description": "The Python code to run."},
+                "input": {"type": "string", "description": "The text given to the code on standard input."},
+            },
+            "required": ["code", "input"],
+        },
+        "return": {
+            "type": "string",
+            "description": "str: The output produced by the executed code through standard output. "
+                           "If an error occurs during execution, the error message will be returned.",
+        },
+    },
+}
+
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process and answer are enclosed within <reason> </reason> and "
+    "<answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason>"
+    "<answer> answer here </answer>.\n\n"
+    "# Tools: You may call one or more functions to assist with the user query. You are provided with "
+    "function signatures within <tools></tools> XML tags:\n"
+    "<tools>" + json.dumps(_TOOL_SPEC, separators=(",", ":")) + "</tools>\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:<tool_call>{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}</tool_call>"
+)
+
+USER_PREFIX = ("You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here "
+               "</answer>. And your final answer will be extracted automatically by the \\boxed{} tag. "
+               "This is the problem: ")
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+ASSISTANT_OPEN = f"{IM_START}assistant\n<reason>"  # every assistant turn starts inside <reason>
+
+
+def render_prompt(question: str, system: str = SYSTEM_PROMPT) -> str:
+    """System + user turn, then the assistant turn opened with <reason>."""
+    return (f"{IM_START}system\n{system}{IM_END}\n"
+            f"{IM_START}user\n{USER_PREFIX}{question}{IM_END}\n{ASSISTANT_OPEN}")
+
+
+def render_tool_turn(response_text: str) -> str:
+    """What follows an assistant turn that ended with its sampled <|im_end|>: the tool's output as a
+    *user* turn (paper §2.1), then a fresh assistant turn opened with <reason>."""
+    return (f"\n{IM_START}user\n<tool_response>\n{response_text}\n</tool_response>{IM_END}\n"
+            f"{ASSISTANT_OPEN}")
+
+
+def render_tool_call(code: str, stdin: str = "") -> str:
+    """A tool call as the assistant writes it at the end of its turn."""
+    call = {"name": TOOL_NAME, "arguments": {"code": code, "input": stdin}}
+    return f"\n<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+
+
+def render_assistant_turn(message: dict) -> str:
+    """An assistant message as sampled text: content (after the opening <reason>), the optional tool
+    call, and the closing <|im_end|> the sampler ends the turn with."""
+    content = message.get("content") or ""
+    if content.startswith("<reason>"):  # tolerate data that repeats the opening tag
+        content = content[len("<reason>"):]
+    call = message.get("tool_call")
+    if call is not None:
+        content += render_tool_call(call["code"], call.get("input", ""))
+    return content + IM_END
+
+
+def render_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of a conversation, exactly as a rollout would build them.
+
+    Messages: an optional system message (default SYSTEM_PROMPT), a user message, then assistant
+    and tool messages in turn (assistant messages may carry "tool_call": {"code", "input"}); a
+    later user message opens a new exchange. Each piece is tokenized on its own and the ids are
+    concatenated, because the rollout never re-tokenizes across turn boundaries. loss_mask is 1 on
+    assistant tokens (their closing <|im_end|> included) and 0 on everything else."""
+    msgs = list(messages)
+    system = SYSTEM_PROMPT
+    if msgs and msgs[0]["role"] == "system":
+        system = msgs.pop(0)["content"]
+    if not msgs or msgs[0]["role"] != "user":
+        raise ValueError(f"a conversation starts with an optional system message and then a user "
+                         f"message; got roles {[m['role'] for m in messages]}")
+    ids, loss_mask = [], []
+
+    def add(text, mask):
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids.extend(piece)
+        loss_mask.extend([mask] * len(piece))
+
+    add(render_prompt(msgs[0]["content"], system), 0)
+    prev = "user"
+    for m in msgs[1:]:
+        role = m["role"]
+        if role == "assistant" and prev in ("user", "tool"):
+            add(render_assistant_turn(m), 1)
+        elif role == "tool" and prev == "assistant":
+            add(render_tool_turn(m["content"]), 0)
+        elif role == "user" and prev == "assistant":
+            add(f"\n{IM_START}user\n{USER_PREFIX}{m['content']}{IM_END}\n{ASSISTANT_OPEN}", 0)
+        else:
+            raise ValueError(f"role {role!r} cannot follow {prev!r}: after the first user message, "
+                             f"assistant turns alternate with tool (or user) turns")
+        prev = role
+    return ids, loss_mask
+
+
+# -- parsing what the model wrote ---------------------------------------------
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_call(text: str) -> None | tuple[str, str] | str:
+    """The first tool call of an assistant turn.
+
+    None if the turn has no <tool_call>; (code, stdin) for a well-formed call; otherwise the error
+    message, which goes back to the model as the tool's output (paper §2.1: a parse error *is* the
+    tool output). Only the first call of a turn is executed, as in the official release."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return None
+    m = _TOOL_CALL_RE.search(text, start)
+    if m is None:
+        return "Failed to decode tool call: <tool_call> is not closed by </tool_call>"
+    try:
+        call = json.loads(m.group(1).strip())
+    except json.JSONDecodeError as e:
+        return f"Failed to decode tool call: {e}"
+    if not isinstance(call, dict):
+        return "Failed to decode tool call: expected a JSON object with \"name\" and \"arguments\""
+    if call.get("name") != TOOL_NAME:
+        return f"Failed to decode tool call: unknown tool {call.get('name')!r}; the only tool is {TOOL_NAME}"
+    args = call.get("arguments")
+    if not isinstance(args, dict):
+        return "Failed to decode tool call: \"arguments\" must be a JSON object"
+    if "code" not in args:
+        return "Failed to decode tool call: missing argument \"code\""
+    code, stdin = args["code"], args.get("input", "")
+    if not isinstance(code, str) or not isinstance(stdin, str):
+        return "Failed to decode tool call: arguments \"code\" and \"input\" must be strings"
+    return code, stdin
+
+
+# Whole tool response the model sees, cut in the middle beyond this. The official release used
+# verl's default of 256 characters, which cuts a three-frame traceback through its error line's
+# context. The sandbox already caps stdout and stderr at 1000 characters each; 1024 keeps a typical
+# traceback or a long printout whole while bounding a tool turn to a few hundred tokens.
+MAX_TOOL_RESPONSE_CHARS = 1024
+_TRUNCATION_MARK = "\n...(truncated)...\n"
+
+
+def format_tool_response(result, max_chars: int = MAX_TOOL_RESPONSE_CHARS) -> str:
+    """The text the model sees for an ExecResult: stdout, then stderr, then a line for a timeout or a
+    kill; middle-truncated to max_chars (the head says what ran, the tail where it failed)."""
+    parts = [s.rstrip("\n") for s in (result.stdout, result.stderr) if s and s.strip()]
+    if result.status == "timeout":
+        parts.append(f"TimeoutError: the code ran past the time limit and was stopped after "
+                     f"{result.seconds:.1f} s")
+    elif result.status == "oom":
+        parts.append("MemoryError: the code went over the memory limit and was stopped")
+    elif result.status not in ("ok", "error"):
+        parts.append(f"the code was stopped ({result.status})")
+    text = "\n".join(parts) if parts else "(no output)"
+    if len(text) > max_chars:
+        keep = max(max_chars - len(_TRUNCATION_MARK), 0)
+        text = text[:keep - keep // 2] + _TRUNCATION_MARK + text[len(text) - keep // 2:]
+    return text
+
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED_RE = re.compile(r"\\boxed\s*\{")
+
+
+def extract_answer(text: str) -> str | None:
+    """The last \\boxed{...} inside the last <answer>...</answer>, nested braces handled; None if
+    there is no closed <answer> block or no readable \\boxed{} in it."""
+    blocks = _ANSWER_RE.findall(text)
+    if not blocks:
+        return None
+    block = blocks[-1]
+    for m in reversed(list(_BOXED_RE.finditer(block))):
+        depth, i = 1, m.end()
+        while i < len(block) and depth:
+            depth += {"{": 1, "}": -1}.get(block[i], 0)
+            i += 1
+        if depth == 0:
+            return block[m.end():i - 1].strip()
+    return None
+
+
+def count_answers(text: str) -> int:
+    """Number of <answer> blocks opened (GRPO-RoC's format penalty counts repeated answers)."""
+    return text.count("<answer>")
+
+
+# -- grading (DESIGN.md §3 "Reward") --------------------------------------------
+
+_INT_RE = re.compile(r"[+-]?\d+")
+_DECIMAL_RE = re.compile(r"[+-]?\d+(\.\d*)?")
+_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
+
+
+def _as_number(s: str) -> int | float | None:
+    """A plain number written as a model or a dataset would: " 42 ", "+42", "1,000", "1{,}000",
+    "42.0", "$42$". None for anything else (fractions, expressions, units)."""
+    s = s.strip().strip("$").strip().replace("{,}", ",").replace("\\!", "").replace(" ", "")
+    if _THOUSANDS_RE.fullmatch(s):
+        s = s.replace(",", "")
+    if _INT_RE.fullmatch(s):
+        return int(s)
+    if _DECIMAL_RE.fullmatch(s):
+        return float(s)
+    return None
+
+
+def _fast_grade(answer: str | None, gold: str) -> bool | None:
+    """True/False when plain numbers decide it, None when math-verify must."""
+    if answer is None:
+        return False
+    a, g = _as_number(answer), _as_number(gold)
+    if a is None or g is None:
+        return None
+    return a == g
+
+
+def _verify_in_process(answer: str, gold: str) -> bool:
+    # Without a sandbox: math-verify in this process. Fine for scripts and tests; in training, pass
+    # the sandbox so a pathological answer cannot hang the trainer.
+    from math_verify import parse, verify
+    try:
+        return bool(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + answer + "}")))
+    except Exception:
+        return False
+
+
+def is_correct(answer: str | None, gold: str, sandbox=None) -> bool:
+    """Reward check: an exact fast path for plain numbers, else math-verify in the sandbox's
+    workers (under their hard timeout)."""
+    fast = _fast_grade(answer, gold)
+    if fast is not None:
+        return fast
+    if sandbox is None:
+        return _verify_in_process(answer, gold)
+    return bool(sandbox.submit_verify(answer, gold).result())
+
+
+def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[float]:
+    """Rewards for a batch: the fast path where it decides, one sandbox batch for the rest."""
+    rewards = [None if (f := _fast_grade(a, g)) is None else float(f) for a, g in zip(answers, golds)]
+    slow = [i for i, r in enumerate(rewards) if r is None]
+    if slow:
+        pairs = [(answers[i], golds[i]) for i in slow]
+        verdicts = (sandbox.verify_batch(pairs) if sandbox is not None
+                    else [_verify_in_process(a, g) for a, g in pairs])
+        for i, ok in zip(slow, verdicts):
+            rewards[i] = float(ok)
+    return rewards

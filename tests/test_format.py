@@ -1,0 +1,226 @@
+"""The conversation format: prompt rendering, tool-call parsing, tool responses, answers, grading."""
+import json
+from collections import namedtuple
+
+import pytest
+
+from rollout import (IM_END, SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, count_answers, extract_answer,
+                     format_tool_response, grade, is_correct, parse_tool_call, render_messages,
+                     render_prompt, render_tool_call, render_tool_turn)
+
+# Same fields as sandbox.ExecResult; the format only reads them.
+Result = namedtuple("Result", "status stdout stderr seconds truncated", defaults=("", "", 0.0, False))
+
+
+def call_text(args, name=TOOL_NAME):
+    return f"Let me compute.</reason>\n<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+# -- prompt and turns -----------------------------------------------------------
+
+def test_prompt_is_chatml_with_system_tools_user_prefix_and_open_reason():
+    p = render_prompt("What is 2 + 3?")
+    assert p.startswith("<|im_start|>system\n" + SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\n")
+    assert USER_PREFIX + "What is 2 + 3?<|im_end|>\n" in p
+    assert p.endswith("<|im_start|>assistant\n<reason>"), "the assistant turn must open with <reason>"
+    assert f'"name":"{TOOL_NAME}"' in SYSTEM_PROMPT and "<tools>" in SYSTEM_PROMPT
+    tools = json.loads(SYSTEM_PROMPT.split("\n<tools>")[1].split("</tools>\n")[0])
+    assert tools["function"]["parameters"]["required"] == ["code", "input"]
+    assert USER_PREFIX.endswith("This is the problem: ") and "\\boxed{}" in USER_PREFIX
+
+
+def test_tool_turn_is_a_user_turn_wrapping_the_output_and_reopening_the_assistant():
+    assert render_tool_turn("42") == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                                      "<|im_start|>assistant\n<reason>")
+
+
+def test_rendered_tool_call_parses_back():
+    code = 'x = input()\nprint(f"{x}!")'
+    assert parse_tool_call("ok.</reason>" + render_tool_call(code, "hi")) == (code, "hi")
+
+
+# -- parse_tool_call ------------------------------------------------------------
+
+def test_no_tool_call_is_none():
+    assert parse_tool_call("The answer is 4.</reason><answer>\\boxed{4}</answer>") is None
+
+
+def test_well_formed_call_gives_code_and_stdin():
+    assert parse_tool_call(call_text({"code": "print(1)", "input": "5"})) == ("print(1)", "5")
+
+
+def test_missing_input_defaults_to_empty_stdin():
+    assert parse_tool_call(call_text({"code": "print(1)"})) == ("print(1)", "")
+
+
+def test_only_the_first_call_runs():
+    text = call_text({"code": "print(1)", "input": ""}) + call_text({"code": "print(2)", "input": ""})
+    assert parse_tool_call(text) == ("print(1)", "")
+
+
+@pytest.mark.parametrize("text, says", [
+    (call_text({"code": "print(1)", "input": ""}, name="python"), "unknown tool"),
+    ("<tool_call>\n{\"name\": \"%s\", \"arguments\": {\"code\": \"print(1)\"\n</tool_call>" % TOOL_NAME, "Failed to decode"),
+    (call_text({"input": ""}), "missing argument \"code\""),
+    (call_text({"code": 5, "input": ""}), "must be strings"),
+    (call_text({"code": "print(1)", "input": 3}), "must be strings"),
+    ("<tool_call>[1, 2]</tool_call>", "JSON object"),
+    (f'<tool_call>{{"name": "{TOOL_NAME}", "arguments": "print(1)"}}</tool_call>', "\"arguments\" must be"),
+    (f'<tool_call>{{"name": "{TOOL_NAME}", "arguments": {{"code": "print(1)"}}}}', "not closed"),
+])
+def test_malformed_call_returns_an_error_message(text, says):
+    out = parse_tool_call(text)
+    assert isinstance(out, str), f"a malformed call must yield an error string, got {out!r}"
+    assert says in out, f"error message {out!r} should mention {says!r}"
+
+
+# -- format_tool_response -------------------------------------------------------
+
+def test_success_shows_stdout():
+    assert format_tool_response(Result("ok", "7006652\n")) == "7006652"
+
+
+def test_error_shows_traceback_after_partial_stdout():
+    r = Result("error", "partial\n", "Traceback (most recent call last):\nNameError: name 'a' is not defined\n")
+    assert format_tool_response(r) == "partial\nTraceback (most recent call last):\nNameError: name 'a' is not defined"
+
+
+def test_timeout_oom_and_silence_are_named():
+    assert "TimeoutError" in format_tool_response(Result("timeout", "", "", 5.0))
+    assert "MemoryError" in format_tool_response(Result("oom"))
+    assert "killed" in format_tool_response(Result("killed"))
+    assert format_tool_response(Result("ok")) == "(no output)"
+
+
+def test_long_output_is_cut_in_the_middle_to_max_chars():
+    out = format_tool_response(Result("ok", "A" * 500 + "B" * 500), max_chars=100)
+    assert len(out) == 100, "the truncated response must fit max_chars exactly"
+    assert out.startswith("A") and out.endswith("B") and "truncated" in out
+    assert format_tool_response(Result("ok", "x" * 100), max_chars=100) == "x" * 100
+
+
+# -- extract_answer / count_answers ---------------------------------------------
+
+@pytest.mark.parametrize("text, want", [
+    ("</reason><answer>\\boxed{42}</answer>", "42"),
+    ("<answer>so \\boxed{\\frac{a}{b}} done</answer>", "\\frac{a}{b}"),
+    ("<answer>\\boxed{\\frac{\\sqrt{2}}{2}}</answer>", "\\frac{\\sqrt{2}}{2}"),
+    ("<answer>\\boxed{1} then \\boxed{ 2 }</answer>", "2"),
+    ("<answer>\\boxed{1}</answer> <answer>\\boxed{3}</answer>", "3"),
+    ("\\boxed{5} <answer>\\boxed{7}</answer> \\boxed{9}", "7"),
+    ("<answer>\\boxed{1} \\boxed{2</answer>", "1"),
+    ("\\boxed{5}", None),
+    ("<answer>42</answer>", None),
+    ("<answer>\\boxed{42}", None),
+    ("", None),
+])
+def test_extract_answer(text, want):
+    assert extract_answer(text) == want
+
+
+def test_count_answers():
+    assert count_answers("<reason>x</reason><answer>\\boxed{1}</answer>") == 1
+    assert count_answers("<answer>a</answer><reason>y</reason><answer>b</answer>") == 2
+    assert count_answers("no answer") == 0
+
+
+# -- grading --------------------------------------------------------------------
+
+@pytest.mark.parametrize("answer, gold, want", [
+    ("42", "42", True), (" 42 ", "42", True), ("+42", "42", True), ("42.0", "42", True),
+    ("1,000", "1000", True), ("1{,}000", "1000", True), ("$-7$", "-7", True),
+    ("43", "42", False), ("42.5", "42", False), ("-42", "42", False), (None, "42", False),
+])
+def test_integer_fast_path(answer, gold, want):
+    class NoSandbox:
+        def submit_verify(self, *a):
+            raise AssertionError("plain numbers must be graded without the sandbox")
+    assert is_correct(answer, gold, sandbox=NoSandbox()) is want
+
+
+def test_math_verify_path_without_sandbox():
+    assert is_correct("\\frac{84}{2}", "42")
+    assert is_correct("\\frac{1}{2}", "0.5")
+    assert not is_correct("\\frac{1}{3}", "0.5")
+
+
+def test_grade_sends_only_undecided_answers_to_the_sandbox_in_one_batch():
+    class Recorder:
+        batches = []
+
+        def verify_batch(self, pairs):
+            self.batches.append(list(pairs))
+            return [True] * len(pairs)
+    sb = Recorder()
+    rewards = grade(["42", None, "\\frac{84}{2}", "41", "x^2"], ["42", "42", "42", "42", "x^2"], sb)
+    assert rewards == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert sb.batches == [[("\\frac{84}{2}", "42"), ("x^2", "x^2")]]
+
+
+# -- render_messages ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A small byte-level BPE trained on the format's own strings, so merges cross turn boundaries
+    if anything tokenizes the conversation as one string."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [render_prompt("What is 12 * 34?") + "Use the tool.</reason>" + render_tool_call("print(12 * 34)")
+              + IM_END + render_tool_turn("408") + "Done.</reason><answer>\\boxed{408}</answer>" + IM_END] * 20
+    corpus += ["\n<reason>Use the tool.", "\n<reason>Done."] * 200  # merges across the turn boundary
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=2000, special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+
+
+CONVERSATION = [
+    {"role": "user", "content": "What is 12 * 34?"},
+    {"role": "assistant", "content": "Use the tool.</reason>", "tool_call": {"code": "print(12 * 34)", "input": ""}},
+    {"role": "tool", "content": "408"},
+    {"role": "assistant", "content": "Done.</reason><answer>\\boxed{408}</answer>"},
+]
+
+
+def test_render_messages_concatenates_separately_tokenized_pieces(tokenizer):
+    ids, mask = render_messages(tokenizer, CONVERSATION)
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    pieces = [(enc(render_prompt("What is 12 * 34?")), 0),
+              (enc("Use the tool.</reason>" + render_tool_call("print(12 * 34)") + IM_END), 1),
+              (enc(render_tool_turn("408")), 0),
+              (enc("Done.</reason><answer>\\boxed{408}</answer>" + IM_END), 1)]
+    assert ids == [t for p, _ in pieces for t in p], "ids must be the per-turn tokenizations concatenated"
+    assert mask == [m for p, m in pieces for _ in p], "mask must be 1 exactly on assistant pieces"
+    joint = enc("".join(tokenizer.decode(p) for p, _ in pieces))
+    assert joint != ids, "test tokenizer should merge across turn boundaries, or this test proves nothing"
+
+
+def test_render_messages_masks_exactly_the_assistant_text(tokenizer):
+    ids, mask = render_messages(tokenizer, CONVERSATION)
+    assert len(ids) == len(mask)
+    learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert learned == ("Use the tool.</reason>" + render_tool_call("print(12 * 34)") + IM_END
+                       + "Done.</reason><answer>\\boxed{408}</answer>" + IM_END)
+    assert ids[-1] == tokenizer.convert_tokens_to_ids(IM_END) and mask[-1] == 1, \
+        "the closing <|im_end|> of an assistant turn is sampled, so it must be learned"
+
+
+def test_render_messages_system_default_and_override(tokenizer):
+    default, _ = render_messages(tokenizer, CONVERSATION)
+    explicit, _ = render_messages(tokenizer, [{"role": "system", "content": SYSTEM_PROMPT}] + CONVERSATION)
+    assert default == explicit
+    other, _ = render_messages(tokenizer, [{"role": "system", "content": "Be brief."}] + CONVERSATION)
+    assert tokenizer.decode(other).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "assistant", "content": "hi"}],
+    [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
+])
+def test_render_messages_rejects_bad_role_order(tokenizer, messages):
+    with pytest.raises(ValueError):
+        render_messages(tokenizer, messages)
