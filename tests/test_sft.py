@@ -1,0 +1,238 @@
+"""sft.py: the loss counts assistant tokens only, any split of a step gives the
+same update, FSDP2 on two ranks matches one process, bad input fails clearly."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import sft  # noqa: E402
+from rollout import USER_PREFIX, render_messages, render_tool_call  # noqa: E402
+
+
+def make_conversation(a, b, with_tool=True):
+    messages = [{"role": "system", "content": "Solve it."},
+                {"role": "user", "content": f"What is {a} * {b}?"}]
+    if with_tool:
+        messages += [{"role": "assistant", "content": "Let me compute.</reason>",
+                      "tool_call": {"code": f"print({a} * {b})", "input": ""}},
+                     {"role": "tool", "content": str(a * b)}]
+    messages += [{"role": "assistant", "content": f"Done.</reason><answer>\\boxed{{{a * b}}}</answer>"}]
+    return {"messages": messages}
+
+
+def make_tokenizer(texts):
+    """A byte-level BPE tokenizer with the ChatML specials, trained in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny random Qwen2 model + tokenizer saved like a hub model, and a JSONL of conversations."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    d = tmp_path_factory.mktemp("sft")
+    rows = [make_conversation(17 + 31 * i, 3 + 7 * i, with_tool=i % 3 != 0) for i in range(11)]
+    with open(d / "sft.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    texts = [json.dumps(r) + USER_PREFIX + render_tool_call("print(1)") + "<|im_start|>system\nuser\nassistant\n<reason>"
+             "</reason><tool_response></tool_response>" for r in rows]
+    tokenizer = make_tokenizer(texts)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(d / "model")
+    tokenizer.save_pretrained(d / "model")
+    return dict(dir=d, data=str(d / "sft.jsonl"), model_dir=str(d / "model"), model=model, tokenizer=tokenizer, rows=rows)
+
+
+def rendered(world, i):
+    ids, loss_mask = render_messages(world["tokenizer"], world["rows"][i]["messages"])
+    return torch.tensor([ids]), torch.tensor([loss_mask])
+
+
+# -----------------------------------------------------------------------------
+# The loss
+
+def test_loss_is_the_sum_over_assistant_tokens_only(world):
+    input_ids, loss_mask = rendered(world, 1)  # (1, T)
+    assert 0 < loss_mask.sum() < loss_mask.numel(), "render_messages should mask the prompt and the tool turn"
+    logits = world["model"](input_ids=input_ids).logits.detach()  # (1, T, V)
+    logp = torch.log_softmax(logits[0].float(), -1)
+    by_hand = -sum(logp[t, input_ids[0, t + 1]] for t in range(input_ids.shape[1] - 1) if loss_mask[0, t + 1])
+    got = sft.assistant_nll_sum(logits, input_ids, loss_mask)
+    assert torch.allclose(got, by_hand, atol=1e-4), "the loss must sum -log p over exactly the assistant tokens"
+
+
+def test_masked_positions_get_no_gradient(world):
+    input_ids, loss_mask = rendered(world, 1)
+    logits = world["model"](input_ids=input_ids).logits.detach().requires_grad_()  # (1, T, V)
+    sft.assistant_nll_sum(logits, input_ids, loss_mask).backward()
+    grad_norm_per_position = logits.grad[0, :-1].norm(dim=-1)  # position t predicts token t+1
+    predicts_masked = loss_mask[0, 1:] == 0
+    assert grad_norm_per_position[predicts_masked].max() == 0, "prompt/tool tokens leaked into the loss"
+    assert (grad_norm_per_position[~predicts_masked] > 0).all(), "some assistant token got no gradient"
+    # changing the targets at masked positions changes nothing
+    scrambled = input_ids.masked_fill(loss_mask == 0, 5)
+    assert torch.equal(sft.assistant_nll_sum(logits, input_ids, loss_mask),
+                       sft.assistant_nll_sum(logits, scrambled, loss_mask)), "masked targets changed the loss"
+
+
+def test_padding_and_micro_batch_split_give_the_same_gradient(world):
+    model, pad_id = world["model"], world["tokenizer"].pad_token_id
+    samples = [render_messages(world["tokenizer"], world["rows"][i]["messages"]) for i in range(4)]
+    n_loss_tokens = sum(sum(mask) for _, mask in samples)
+
+    def grads(micro_batches):
+        model.zero_grad()
+        for mb in micro_batches:
+            input_ids, attention_mask, loss_mask = sft.collate([samples[i] for i in mb], pad_id)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            (sft.assistant_nll_sum(logits, input_ids, loss_mask) / n_loss_tokens).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(grads([[0, 1, 2, 3]]), grads([[0], [1, 2], [3]])):
+        assert torch.allclose(a, b, atol=1e-5), "gradient depends on padding or on the micro-batch split"
+    model.zero_grad()
+
+
+def test_micro_batches_fit_the_budget_and_cover_every_sequence():
+    lengths = [5, 30, 12, 7, 30, 1, 19]
+    batches = sft.micro_batches(lengths, budget=40)
+    assert sorted(i for mb in batches for i in mb) == list(range(len(lengths)))
+    for mb in batches:
+        assert len(mb) * max(lengths[i] for i in mb) <= 40, f"micro-batch {mb} is over the token budget"
+    assert sft.micro_batches([10, 10, 10], budget=30) == [[0, 1, 2]]
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine():
+    lr = lambda s: sft.lr_at(s, total_steps=100, warmup_steps=4, lr=1.0, min_lr_ratio=0.1)  # noqa: E731
+    assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr(4) == pytest.approx(1.0) and lr(52) == pytest.approx(0.55) and lr(100) == pytest.approx(0.1)
+    assert sft.lr_at(0, total_steps=3, warmup_steps=0, lr=1.0, min_lr_ratio=0.0) == 1.0
+
+
+# -----------------------------------------------------------------------------
+# The script, in process (a process group of one)
+
+def run_sft(world, out, *flags):
+    return sft.main(["--model", world["model_dir"], "--data", world["data"], "--out-dir", str(out), "--lr", "1e-3",
+                     "--batch-size", "4", "--max-len", "512", "--micro-batch-tokens", "512", "--grad-checkpointing", "0",
+                     *flags])
+
+
+def final_weights(out):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(out).state_dict()
+
+
+def test_script_trains_logs_and_saves_a_loadable_checkpoint(world, tmp_path):
+    row = run_sft(world, tmp_path / "a", "--epochs", "1")
+    rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3], "11 conversations at 4 per step is 3 steps per epoch"
+    assert rows[-1] == row and row["epoch"] == 1.0 and 0 <= row["padding"] < 1
+    assert sum(r["n_loss_tokens"] for r in rows) == sum(sum(render_messages(world["tokenizer"], r["messages"])[1])
+                                                        for r in world["rows"]), "an epoch must see every assistant token once"
+    assert json.load(open(tmp_path / "a" / "sft_config.json"))["batch_size"] == 4
+    trained, init = final_weights(tmp_path / "a"), world["model"].state_dict()
+    assert trained.keys() == init.keys()
+    assert any(not torch.equal(trained[k], init[k]) for k in init), "training did not change the weights"
+    # the split into micro-batches does not change the update (one sequence per forward pass here)
+    run_sft(world, tmp_path / "b", "--epochs", "1", "--micro-batch-tokens", "230", "--max-len", "230")
+    again = final_weights(tmp_path / "b")
+    for k in trained:
+        assert torch.allclose(trained[k], again[k], atol=1e-5), f"{k}: micro-batch split changed the update"
+
+
+def test_checkpoint_keeps_the_dtype_and_class_it_came_in(world, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(world["model_dir"], dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    world["tokenizer"].save_pretrained(tmp_path / "bf16")
+    sft.main(["--model", str(tmp_path / "bf16"), "--data", world["data"], "--out-dir", str(tmp_path / "out"),
+              "--max-steps", "1", "--max-len", "512", "--micro-batch-tokens", "512", "--grad-checkpointing", "0"])
+    config = AutoConfig.from_pretrained(tmp_path / "out")
+    assert config.dtype == torch.bfloat16, "config.json must name the dtype of the saved tensors (vLLM reads it)"
+    assert config.architectures == ["Qwen2ForCausalLM"], "the FSDP wrapper class leaked into config.json"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_explicit_flags_beat_the_preset():
+    args = sft.get_args(["--preset", "toy", "--lr", "0.5"])
+    assert args.lr == 0.5 and args.data == sft.PRESETS["toy"]["data"]
+    assert sft.get_args([]).lr == 5e-6 and sft.get_args([]).batch_size == 128
+
+
+# -----------------------------------------------------------------------------
+# Bad input
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(make_conversation(2, 3)) + "\n\n{not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: not valid JSON"):
+        sft.load_conversations(str(path))
+    path.write_text(json.dumps(make_conversation(2, 3)) + '\n{"text": "hi"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected"):
+        sft.load_conversations(str(path))
+
+
+def test_empty_dataset_says_what_to_do(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=r"no conversations(.|\n)*---> HINT"):
+        sft.load_conversations(str(path))
+    with pytest.raises(FileNotFoundError, match=r"prepare_toy"):
+        sft.load_conversations(str(tmp_path / "missing.jsonl"))
+
+
+def test_too_long_conversation_says_what_to_do(world):
+    conversations = sft.load_conversations(world["data"])
+    with pytest.raises(ValueError, match=r"longer than --max-len 20 (.|\n)*---> HINT: pass --max-len \d+"):
+        sft.tokenize_conversations(world["tokenizer"], conversations, world["data"], max_len=20)
+
+
+def test_unrenderable_conversation_names_file_and_line(world, tmp_path):
+    path = tmp_path / "roles.jsonl"
+    path.write_text(json.dumps(make_conversation(2, 3)) + "\n" + json.dumps({"messages": [{"role": "tool", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"roles\.jsonl:2: cannot render"):
+        sft.tokenize_conversations(world["tokenizer"], sft.load_conversations(str(path)), str(path), max_len=512)
+
+
+# -----------------------------------------------------------------------------
+# FSDP2 across two processes
+
+@pytest.mark.slow
+def test_two_rank_fsdp_matches_one_process(world, tmp_path):
+    # 5 conversations per step: ranks get 3 and 2, and with one sequence per forward pass the
+    # second rank runs an empty pass, so the uneven path is exercised too.
+    flags = ["--model", world["model_dir"], "--data", world["data"], "--lr", "1e-3", "--batch-size", "5",
+             "--epochs", "2", "--max-len", "230", "--micro-batch-tokens", "230", "--grad-checkpointing", "1"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={port}", os.path.join(ROOT, "sft.py"), *flags, "--out-dir", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sft.main([*flags, "--out-dir", str(tmp_path / "one")])
+    losses = [[json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl")] for run in ("one", "two")]
+    assert len(losses[0]) == 6 and losses[0] == pytest.approx(losses[1], rel=1e-4), "per-step losses differ"
+    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-5), f"{k}: two-rank FSDP2 weights differ from one process"
