@@ -1,23 +1,15 @@
-"""Non-reasoning SFT (paper §4.1): teach a base model the chat format, the
-JSON tool call and instruction following, with loss on assistant tokens only.
+"""Non-reasoning SFT (paper §4.1): teach a base model the chat format, the JSON
+tool call and instruction following, with the loss on assistant tokens only.
 
-    python sft.py --preset toy                              # the toy world, on a CPU
+    python sft.py --preset toy                                   # toy world, CPU
     torchrun --nproc_per_node=8 sft.py --model Qwen/Qwen3-14B-Base --data data/sft.jsonl
 
-What it does, in the order the code runs:
-1. arguments: the paper's recipe as defaults (3 epochs, lr 5e-6, 4% linear
-   warm-up then cosine decay, 128 conversations per step); presets fill in
-   other defaults, an explicit flag always wins;
-2. a process group (NCCL on GPU, gloo on CPU; `python sft.py` is a group of one);
-3. data: JSONL of {"messages": [...]}, rendered by rollout.render_messages into
-   token ids and a loss mask that is 1 on assistant tokens only;
-4. the model, sharded with FSDP2 per decoder layer (bf16 compute on GPU);
-5. AdamW; every step splits its batch across ranks, and each rank cuts its
-   share into length-sorted micro-batches that fit a token budget;
-6. the loss is the token-level mean over all assistant tokens of the step's
-   batch: each micro-batch adds its sum of token losses divided by the global
-   count, so any split into micro-batches and ranks gives the same gradient;
-7. an HF checkpoint (weights + tokenizer) that transformers and vLLM load.
+1. Defaults are the paper's: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128.
+2. Conversations are rendered by rollout.render_messages: loss_mask = assistant tokens.
+3. FSDP2 per decoder layer (bf16 compute on GPU); `python sft.py` is a group of one.
+4. A step's batch is dealt across ranks, then cut into length-sorted micro-batches.
+5. Loss = token-level mean over all assistant tokens of the step's batch: each
+   micro-batch adds its loss sum over the global count, so any split gives the same gradient.
 """
 import argparse
 import copy
@@ -32,8 +24,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rollout import render_messages
 
@@ -49,25 +41,23 @@ PRESETS = {
 
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description="Supervised fine-tuning on chat JSONL, loss on assistant tokens only.")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named set of defaults (flags given explicitly still win)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named set of defaults; explicit flags win")
     parser.add_argument("--model", default="Qwen/Qwen3-14B-Base", help="HF causal LM to start from (path or hub name)")
     parser.add_argument("--data", default="data/sft.jsonl", help='JSONL, one {"messages": [...]} conversation per line')
     parser.add_argument("--out-dir", default="runs/sft", help="where the HF checkpoint, metrics.jsonl and sft_config.json go")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the data")
-    parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps (-1: all epochs); the schedule follows it")
+    parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps to run (-1: all epochs); the schedule follows")
     parser.add_argument("--batch-size", type=int, default=128, help="conversations per optimizer step, over all ranks")
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="token budget of one forward pass (rows x longest row, padding included)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="tokens per forward pass, padding included")
     parser.add_argument("--max-len", type=int, default=4096, help="longest conversation in tokens; longer ones are an error")
     parser.add_argument("--lr", type=float, default=5e-6, help="peak learning rate")
-    parser.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decay ends at lr * this")
     parser.add_argument("--warmup-ratio", type=float, default=0.04, help="share of steps spent in linear warm-up")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (inf: no clipping)")
     parser.add_argument("--grad-checkpointing", type=int, default=1, help="1: recompute activations in backward to save memory")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and anything random")
-    args, _ = parser.parse_known_args(argv)
-    if args.preset:
-        parser.set_defaults(**PRESETS[args.preset])
+    if preset := parser.parse_known_args(argv)[0].preset:  # a preset replaces defaults; explicit flags still win
+        parser.set_defaults(**PRESETS[preset])
     return parser.parse_args(argv)
 
 
@@ -75,22 +65,18 @@ def get_args(argv=None):
 # Compute: one process group, from `python sft.py` to `torchrun --nproc_per_node=8`.
 
 def init_distributed():
-    """Join the process group torchrun describes in the environment, or make a
-    group of one. Returns (rank, local_rank, world_size, device)."""
+    """Join torchrun's process group, or make a group of one. Returns (rank, local_rank, world_size, device)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():  # torch.cuda is also the ROCm device API
-        device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":  # torch.cuda is also the ROCm device API
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-        else:  # a group of one needs no rendezvous: an in-process store, no port
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized() and "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    elif not dist.is_initialized():  # a group of one needs no rendezvous: an in-process store, no port
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, local_rank, world_size, device
 
 
@@ -98,16 +84,12 @@ def shard_model(model, device):
     """FSDP2: shard every decoder layer, then the root (embeddings, final norm,
     head). On GPU the forward and backward run in bf16 with fp32 master weights
     and fp32 gradient reduction; on CPU everything stays fp32."""
-    if device.type == "cuda":
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp_policy = MixedPrecisionPolicy()
+    on_gpu = device.type == "cuda"
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_gpu else None, reduce_dtype=torch.float32 if on_gpu else None)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    layer_types = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
+    layers = [m for m in model.modules() if type(m).__name__ in (getattr(model, "_no_split_modules", None) or [])]
     if not layers:
-        raise ValueError(f"found no decoder layers in {type(model).__name__} to shard\n"
-                         f"---> HINT: shard_model looks for the module classes named in model._no_split_modules")
+        raise ValueError(f"no decoder layers in {type(model).__name__}\n---> HINT: shard_model shards model._no_split_modules")
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -128,18 +110,17 @@ def load_conversations(path):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({e})\n"
-                                 f'---> HINT: every line must be one JSON object {{"messages": [...]}}') from None
-            messages = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(messages, list) or not messages:
-                raise ValueError(f'{path}:{line_number}: expected {{"messages": [...]}} with a non-empty list\n'
-                                 f'---> HINT: each message is {{"role": "system"|"user"|"assistant"|"tool", "content": ...}}')
+                messages = json.loads(line)["messages"]
+                if not isinstance(messages, list) or not messages:
+                    raise TypeError("messages must be a non-empty list")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f'{path}:{line_number}: not a JSON object {{"messages": [...]}} ({type(e).__name__}: {e})\n'
+                                 f'---> HINT: each line is {{"messages": [{{"role": "system"|"user"|"assistant"|"tool", '
+                                 f'"content": ...}}, ...]}}') from None
             conversations.append((line_number, messages))
     if not conversations:
         raise ValueError(f"{path}: no conversations in the file\n"
-                         f"---> HINT: check that the file was written completely (for the toy world rerun `python data/prepare_toy.py`)")
+                         f"---> HINT: check that it was written completely (toy world: rerun `python data/prepare_toy.py`)")
     return conversations
 
 
@@ -157,17 +138,16 @@ def tokenize_conversations(tokenizer, conversations, path, max_len):
             too_long.append((line_number, len(ids)))
         samples.append((ids, loss_mask))
     if too_long:
-        longest = max(n for _, n in too_long)
+        (first, first_len), longest = too_long[0], max(n for _, n in too_long)
         raise ValueError(f"{path}: {len(too_long)} conversations are longer than --max-len {max_len} tokens "
-                         f"(first at line {too_long[0][0]}: {too_long[0][1]} tokens; longest: {longest})\n"
-                         f"---> HINT: pass --max-len {longest} (and --micro-batch-tokens at least that), "
-                         f"or drop or shorten these conversations in the data")
+                         f"(first at line {first}: {first_len} tokens; longest: {longest})\n"
+                         f"---> HINT: pass --max-len {longest} if memory allows, or drop or shorten these conversations")
     return samples
 
 
 def micro_batches(lengths, budget):
     """Cut sequences into micro-batches, longest first, each with rows x longest
-    row <= budget. Sorting by length keeps padding small. Returns lists of indices."""
+    row <= budget (one longer than the budget goes alone). Returns lists of indices."""
     batches = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
@@ -180,13 +160,10 @@ def micro_batches(lengths, budget):
 def collate(samples, pad_id):
     """Right-pad to the longest: input_ids, attention_mask, loss_mask, each (B, T)."""
     T = max(len(ids) for ids, _ in samples)
-    input_ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(samples), T), dtype=torch.long)
-    loss_mask = torch.zeros((len(samples), T), dtype=torch.long)
-    for row, (ids, mask) in enumerate(samples):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
-        attention_mask[row, :len(ids)] = 1
-        loss_mask[row, :len(ids)] = torch.tensor(mask)
+    pad = lambda seq, value: seq + [value] * (T - len(seq))  # noqa: E731
+    input_ids = torch.tensor([pad(ids, pad_id) for ids, _ in samples])  # (B, T)
+    attention_mask = torch.tensor([pad([1] * len(ids), 0) for ids, _ in samples])  # (B, T)
+    loss_mask = torch.tensor([pad(mask, 0) for _, mask in samples])  # (B, T)
     return input_ids, attention_mask, loss_mask
 
 
@@ -201,20 +178,19 @@ def assistant_nll_sum(logits, input_ids, loss_mask):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def lr_at(step, total_steps, warmup_steps, lr, min_lr_ratio):
-    """Linear warm-up to lr, then cosine decay to lr * min_lr_ratio."""
+def lr_at(step, total_steps, warmup_steps, lr):
+    """Linear warm-up to lr, then cosine decay to 0."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def save_hf_checkpoint(model, tokenizer, out_dir, dtype=None):
+def save_hf_checkpoint(model, tokenizer, out_dir, dtype=torch.float32):
     """Gather the full state dict from the FSDP2 shards and write an HF checkpoint
     (on rank 0). Every rank must call this: the gather is a collective."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
-        dtype = dtype or torch.float32
         model.save_pretrained(out_dir, state_dict={k: v.to(dtype) for k, v in state_dict.items()})
         config = copy.deepcopy(model.config)  # save_pretrained wrote the dtype of the fp32 master
         config.dtype = dtype                  # weights; vLLM's dtype="auto" must read the saved one
@@ -226,8 +202,6 @@ def save_hf_checkpoint(model, tokenizer, out_dir, dtype=None):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     args = get_args(argv)
     config = vars(args)
 
@@ -236,14 +210,10 @@ def main(argv=None):
     master = rank == 0
     torch.manual_seed(args.seed)
     if master:
-        print(json.dumps(config, indent=2))
-        print(f"world size {world_size}, device {device.type}")
+        print(json.dumps(config, indent=2) + f"\nworld size {world_size}, device {device.type}")
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "sft_config.json"), "w") as f:
             json.dump(config, f, indent=2)
-    if args.micro_batch_tokens < args.max_len:
-        raise ValueError(f"--micro-batch-tokens {args.micro_batch_tokens} is smaller than --max-len {args.max_len}\n"
-                         f"---> HINT: the longest conversation must fit one micro-batch: raise --micro-batch-tokens")
 
     # ---- data ----
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -259,58 +229,49 @@ def main(argv=None):
               f"longest {max(lengths)}; {steps_per_epoch} steps per epoch, {total_steps} steps, {warmup_steps} warm-up")
 
     # ---- model + FSDP2 ----
-    save_dtype = AutoConfig.from_pretrained(args.model).dtype  # the checkpoint goes out in the dtype it came in
+    save_dtype = AutoConfig.from_pretrained(args.model).dtype or torch.float32  # saved in the dtype it came in
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    model = shard_model(model, device)
-    model.train()
+    model = shard_model(model, device).train()
 
     # ---- optimizer ----
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     # ---- training loop ----
-    metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "w") if master else None
-    row = {}
+    metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1) if master else None  # line-buffered
     for step in tqdm(range(total_steps), desc="sft", disable=not master, dynamic_ncols=True):
         t0 = time.time()
         epoch, k = divmod(step, steps_per_epoch)
-        if k == 0:  # a fresh deterministic order each epoch, the same on every rank
-            order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        # a fresh deterministic order each epoch, the same on every rank
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         batch = order[k * args.batch_size:(k + 1) * args.batch_size]
-
-        # Every rank plans the whole step (cheap, no communication): the batch sorted by
-        # length and dealt round-robin, so ranks get similar token counts; all ranks must run
-        # the same number of forward passes, so the short ones pad with empty passes.
-        by_length = sorted(batch, key=lambda i: -lengths[i])
-        shares = [by_length[r::world_size] for r in range(world_size)]
+        # Every rank plans the whole step (4): sorted by length, dealt round-robin; FSDP's collectives
+        # need every rank in every pass, so ranks with fewer micro-batches add empty passes.
+        shares = [sorted(batch, key=lambda i: -lengths[i])[r::world_size] for r in range(world_size)]
         plans = [[[share[j] for j in mb] for mb in micro_batches([lengths[i] for i in share], args.micro_batch_tokens)]
                  for share in shares]
         n_micro = max(len(plan) for plan in plans)
-        n_loss_tokens = max(1, sum(n_assistant[i] for i in batch))  # global denominator (6)
+        n_loss_tokens = max(1, sum(n_assistant[i] for i in batch))  # the global denominator (5)
         n_tokens = sum(lengths[i] for i in batch)
         n_padded = sum(len(mb) * lengths[mb[0]] for plan in plans for mb in plan)
 
-        lr = lr_at(step, total_steps, warmup_steps, args.lr, args.min_lr_ratio)
+        lr = lr_at(step, total_steps, warmup_steps, args.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
         nll_sum_local = torch.zeros((), device=device)
         for j in range(n_micro):
             if j < len(plans[rank]):
                 input_ids, attention_mask, loss_mask = (t.to(device) for t in collate([samples[i] for i in plans[rank][j]], pad_id))
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+                logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
                 nll_sum = assistant_nll_sum(logits, input_ids, loss_mask)
                 nll_sum_local += nll_sum.detach()
-            else:  # an empty pass: FSDP's collectives need every rank in every forward and backward
-                logits = model(input_ids=torch.full((1, 1), pad_id, device=device)).logits
-                nll_sum = logits.sum() * 0.0
+            else:  # an empty pass
+                nll_sum = model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False).logits.sum() * 0.0
             # FSDP averages gradients over ranks; times world_size undoes that, so the
-            # gradient is exactly that of (sum of assistant-token losses) / n_loss_tokens.
+            # gradient is exactly that of (sum of assistant-token losses) / n_loss_tokens (5).
             (nll_sum / n_loss_tokens * world_size).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).full_tensor()  # a DTensor under FSDP2
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(nll_sum_local)
@@ -325,7 +286,6 @@ def main(argv=None):
                        f"| grad norm {row['grad_norm']:7.3f} | tokens {n_tokens:7d} (pad {row['padding']:5.1%}, {n_micro} mb) "
                        f"| {row['tokens_per_s']:7.0f} tok/s | {seconds:6.2f} s")
             metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
 
     # ---- save ----
     save_hf_checkpoint(model, tokenizer, args.out_dir, dtype=save_dtype)
@@ -333,7 +293,6 @@ def main(argv=None):
         metrics_file.close()
         print(f"saved the checkpoint to {args.out_dir}")
     dist.destroy_process_group()
-    return row
 
 
 if __name__ == "__main__":

@@ -121,10 +121,10 @@ def test_micro_batches_fit_the_budget_and_cover_every_sequence():
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine():
-    lr = lambda s: sft.lr_at(s, total_steps=100, warmup_steps=4, lr=1.0, min_lr_ratio=0.1)  # noqa: E731
+    lr = lambda s: sft.lr_at(s, total_steps=100, warmup_steps=4, lr=1.0)  # noqa: E731
     assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr(4) == pytest.approx(1.0) and lr(52) == pytest.approx(0.55) and lr(100) == pytest.approx(0.1)
-    assert sft.lr_at(0, total_steps=3, warmup_steps=0, lr=1.0, min_lr_ratio=0.0) == 1.0
+    assert lr(4) == pytest.approx(1.0) and lr(52) == pytest.approx(0.5) and lr(100) == pytest.approx(0.0)
+    assert sft.lr_at(0, total_steps=3, warmup_steps=0, lr=1.0) == 1.0
 
 
 # -----------------------------------------------------------------------------
@@ -142,10 +142,10 @@ def final_weights(out):
 
 
 def test_script_trains_logs_and_saves_a_loadable_checkpoint(world, tmp_path):
-    row = run_sft(world, tmp_path / "a", "--epochs", "1")
+    run_sft(world, tmp_path / "a", "--epochs", "1")
     rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3], "11 conversations at 4 per step is 3 steps per epoch"
-    assert rows[-1] == row and row["epoch"] == 1.0 and 0 <= row["padding"] < 1
+    assert rows[-1]["epoch"] == 1.0 and all(0 <= r["padding"] < 1 for r in rows)
     assert sum(r["n_loss_tokens"] for r in rows) == sum(sum(render_messages(world["tokenizer"], r["messages"])[1])
                                                         for r in world["rows"]), "an epoch must see every assistant token once"
     assert json.load(open(tmp_path / "a" / "sft_config.json"))["batch_size"] == 4
@@ -184,10 +184,10 @@ def test_explicit_flags_beat_the_preset():
 def test_malformed_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(make_conversation(2, 3)) + "\n\n{not json\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:3: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: not a JSON object(.|\n)*HINT"):
         sft.load_conversations(str(path))
     path.write_text(json.dumps(make_conversation(2, 3)) + '\n{"text": "hi"}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not a JSON object"):
         sft.load_conversations(str(path))
 
 
