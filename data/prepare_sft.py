@@ -1,0 +1,318 @@
+"""The non-reasoning SFT mix (paper §4.1) as sft.py's {"messages": [...]} JSONL.
+
+    python data/prepare_sft.py                        # every source at the paper's size -> data/sft.jsonl
+    python data/prepare_sft.py --max-per-source 2000  # a small mix
+    python data/prepare_sft.py --sources glaive magicoder --strict
+
+Sources (datasets-server /rows API, see prepare_rl.fetch_rows), at most --max-per-source each:
+    toolace    Team-ACE/ToolACE                                  function calls ([f(a=1)] syntax)
+    apigen     Salesforce/APIGen-MT-5k (gated: HF_TOKEN)         multi-turn function calls
+    glaive     glaiveai/glaive-function-calling-v2               function calls (<functioncall> syntax)
+    magicoder  ise-uiuc/Magicoder-OSS-Instruct-75K (Python only) code -> the Python tool
+    tulu_if    allenai/tulu-3-sft-personas-instruction-following instruction following
+    chat       nvidia/Llama-Nemotron-Post-Training-Dataset (SFT/chat, reasoning off)
+The paper also rewrote the IF responses and the chat prompts with o4-mini; we use them as released.
+
+How a record becomes messages (rollout.render_messages renders them):
+1. Every assistant turn opens inside <reason> (the template adds it). This data has no reasoning, so
+   a final reply is "</reason><answer>REPLY</answer>"; a turn that calls a tool keeps any text before
+   the call as its reasoning and closes </reason> before the call (as the toy SFT data does).
+2. Code: Magicoder's Python solution becomes a call of the single tool
+   ("tool_call": {"code": ..., "input": ""}) after the explanation that precedes it. The conversation
+   ends at the call: we do not run the code, and we will not invent an output for it.
+3. Other function calls are KEPT, written as plain assistant text in the very format of the Python
+   tool's call ("\\n<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>"), with the
+   conversation's own functions listed in the system prompt's <tools> block and their results as
+   tool turns. They are the paper's 117K function-calling examples: they teach the JSON call format
+   and when to call, which the Python tool needs; at RL time the prompt lists only the Python tool
+   and parse_tool_call refuses any other name.
+A record that does not fit (unreadable call, a result without a call, ...) is dropped and counted.
+Sources that cannot be downloaded are reported at the end; the script fails only when nothing
+was downloaded, or with --strict when any source failed.
+"""
+import argparse
+import ast
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from prepare_rl import HUB_ROWS_URL, FetchError, fetch_rows, write_jsonl  # noqa: E402
+from rollout import SYSTEM_PROMPT, parse_tool_call, render_assistant_turn  # noqa: E402
+
+
+class Skip(Exception):
+    """A record that cannot be converted; the message is the reason that gets counted."""
+
+
+# -----------------------------------------------------------------------------
+# Building conversations. A converter describes a record as steps: ("system", text),
+# ("user", text), ("assistant", text), ("call", (name, arguments)), ("code", (code, stdin)),
+# ("result", text); build() turns them into messages.
+
+def system_prompt(tools=None, instructions=""):
+    """SYSTEM_PROMPT with the record's instructions before its tool block and, if given, its own
+    functions in the <tools> block instead of the Python tool."""
+    head, sep, tail = SYSTEM_PROMPT.partition("# Tools")
+    if tools:
+        listed = "\n".join(json.dumps(t if "function" in t else {"type": "function", "function": t}, ensure_ascii=False)
+                           for t in tools)
+        tail = re.sub(r"<tools>.*</tools>", lambda m: f"<tools>{listed}</tools>", tail, flags=re.DOTALL)
+    return head + (instructions.strip() + "\n\n" if instructions.strip() else "") + sep + tail
+
+
+def call_text(name, arguments):
+    call = {"name": name, "arguments": arguments}
+    return f"\n<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+
+
+def build(steps, tools=None):
+    msgs, instructions, text, calls = [], [], [], []
+
+    def close_turn():
+        thought = "\n\n".join(t.strip() for t in text if t and t.strip())
+        if any(kind == "code" for kind, _ in calls):
+            if len(calls) > 1:
+                raise Skip("code call mixed with other calls")
+            code, stdin = calls[0][1]
+            msgs.append({"role": "assistant", "content": thought + "</reason>", "tool_call": {"code": code, "input": stdin}})
+        elif calls:
+            msgs.append({"role": "assistant", "content": thought + "</reason>" + "".join(call_text(*c) for _, c in calls)})
+        elif thought:
+            if "<tool_call>" in thought:
+                raise Skip("reply text contains <tool_call>")
+            msgs.append({"role": "assistant", "content": f"</reason><answer>{thought}</answer>"})
+        text.clear()
+        calls.clear()
+
+    for kind, value in steps:
+        if kind == "system":
+            instructions.append(value or "")
+        elif kind == "user":
+            close_turn()
+            if msgs and msgs[-1]["role"] == "tool":
+                raise Skip("user turn right after a tool result")
+            if msgs and msgs[-1]["role"] == "user":
+                msgs[-1]["content"] += "\n\n" + value
+            else:
+                msgs.append({"role": "user", "content": value})
+        elif kind == "assistant":
+            if calls:
+                raise Skip("text after a call in the same turn")
+            text.append(value)
+        elif kind in ("call", "code"):
+            calls.append((kind, value))
+        elif kind == "result":
+            if calls:
+                close_turn()
+                msgs.append({"role": "tool", "content": value})
+            elif not text and msgs and msgs[-1]["role"] == "tool":
+                msgs[-1]["content"] += "\n" + value
+            else:
+                raise Skip("tool result without a call")
+    close_turn()
+    if not msgs or msgs[0]["role"] != "user" or msgs[-1]["role"] != "assistant":
+        raise Skip("not user ... assistant")
+    if any(s in m["content"] for m in msgs for s in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")):
+        raise Skip("contains chat special tokens")
+    for m in msgs:  # the tool call must parse back exactly (code containing "</tool_call>" would not)
+        if "tool_call" in m and parse_tool_call(render_assistant_turn(m)) != (m["tool_call"]["code"], m["tool_call"]["input"]):
+            raise Skip("tool call does not round-trip")
+    if tools or any(i.strip() for i in instructions):
+        msgs.insert(0, {"role": "system", "content": system_prompt(tools, "\n\n".join(instructions))})
+    return msgs
+
+
+def chat_steps(messages):
+    """[{"role", "content"}] (user / assistant / system) -> steps."""
+    steps = []
+    for m in messages:
+        if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+            raise Skip(f"unexpected message {str(m)[:40]}")
+        steps.append((m["role"], m["content"]))
+    return steps
+
+
+def json_objects(text):
+    """Consecutive JSON values in text (Glaive lists its functions one object after another)."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while (i := text.find("{", i)) >= 0:
+        obj, i = decoder.raw_decode(text, i)
+        out.append(obj)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Sources: one converter per record format.
+
+def from_glaive(row):
+    """system: "SYSTEM: ... -\\n{function}\\n{function}"; chat: "USER: ... ASSISTANT: ... <functioncall>
+    {"name": ..., "arguments": '<json>'} <|endoftext|> FUNCTION RESPONSE: ... ASSISTANT: ..."."""
+    try:
+        tools = json_objects(row["system"])
+    except ValueError:
+        raise Skip("unreadable tool list") from None
+    parts = re.split(r"(USER|ASSISTANT|FUNCTION RESPONSE):", row["chat"])
+    steps = []
+    for role, body in zip(parts[1::2], parts[2::2]):
+        body = body.replace("<|endoftext|>", "").strip()
+        if role == "USER":
+            steps.append(("user", body))
+        elif role == "FUNCTION RESPONSE":
+            steps.append(("result", body))
+        else:
+            before, has_call, call = body.partition("<functioncall>")
+            steps.append(("assistant", before))
+            if has_call:
+                m = re.fullmatch(r"""\{\s*"name":\s*"([^"]+)",\s*"arguments":\s*'(.*)'\s*\}""", call.strip(), re.DOTALL)
+                try:
+                    c = {"name": m.group(1), "arguments": json.loads(m.group(2))} if m else json.loads(call)
+                    steps.append(("call", (c["name"], c["arguments"])))
+                except (ValueError, KeyError, TypeError):
+                    raise Skip("unreadable call") from None
+    return build(steps, tools)
+
+
+def bracket_calls(text):
+    """ToolACE's "[f(a=1, b='x'), g()]" -> [(name, arguments)], or None if text is not such a list."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+        assert isinstance(tree, ast.List) and tree.elts
+        assert all(isinstance(c, ast.Call) and not c.args and isinstance(c.func, (ast.Name, ast.Attribute)) for c in tree.elts)
+        return [(ast.unparse(c.func), {k.arg: ast.literal_eval(k.value) for k in c.keywords}) for c in tree.elts]
+    except (SyntaxError, AssertionError, ValueError, TypeError):
+        return None
+
+
+def from_toolace(row):
+    """system: instructions for its own call syntax (dropped) and a JSON list of functions;
+    conversations: [{"from": user | assistant | tool, "value"}]."""
+    system = row.get("system") or ""
+    start = re.search(r"\[\s*\{", system)
+    try:
+        tools, _ = json.JSONDecoder().raw_decode(system, start.start())
+    except (AttributeError, ValueError):
+        raise Skip("unreadable tool list") from None
+    steps = []
+    for turn in row["conversations"]:
+        who, value = turn["from"], turn["value"]
+        if who == "assistant" and value.strip().startswith("[") and value.strip().endswith("]"):
+            calls = bracket_calls(value)
+            if calls is None:
+                raise Skip("unreadable call")
+            steps += [("call", c) for c in calls]
+        elif who in ("user", "assistant", "tool"):
+            steps.append(({"tool": "result"}.get(who, who), value))
+        else:
+            raise Skip("unexpected speaker")
+    return build(steps, tools)
+
+
+def from_apigen(row):
+    """ShareGPT-style: conversations [{"from": human | gpt | function_call | observation, "value"}],
+    tools (a JSON string), system (the domain policy: kept as instructions)."""
+    tools = json.loads(row["tools"]) if isinstance(row.get("tools"), str) else row.get("tools")
+    steps = [("system", row.get("system") or "")]
+    for turn in row["conversations"]:
+        who, value = turn["from"], turn["value"]
+        if who == "function_call":
+            c = json.loads(value) if isinstance(value, str) else value
+            steps.append(("call", (c["name"], c.get("arguments", {}))))
+        elif who in ("human", "gpt", "observation"):
+            steps.append(({"human": "user", "gpt": "assistant", "observation": "result"}[who], value))
+        else:
+            raise Skip("unexpected speaker")
+    return build(steps, tools)
+
+
+def from_magicoder(row):
+    """problem, solution (markdown with code blocks), lang: the longest ```python block is the call."""
+    if row.get("lang") != "python":
+        raise Skip("not Python")
+    blocks = list(re.finditer(r"```(?:python|py)[ \t]*\n(.*?)```", row["solution"], re.DOTALL))
+    if not blocks:
+        raise Skip("no Python code block")
+    best = max(blocks, key=lambda m: len(m.group(1)))
+    return build([("user", row["problem"]), ("assistant", row["solution"][:best.start()]),
+                  ("code", (best.group(1).rstrip() + "\n", ""))])
+
+
+def from_tulu(row):
+    """messages: [{"role", "content"}]."""
+    return build(chat_steps(row["messages"]))
+
+
+_LLAMA_TURN = re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\s*(.*?)\s*(?=<\|eot_id\|>|<\|start_header_id\|>|$)", re.DOTALL)
+
+
+def from_nemotron_chat(row):
+    """input (messages, or a string in the Llama-3 chat format in older releases), output, reasoning."""
+    if row.get("reasoning") != "off":
+        raise Skip("reasoning on")
+    inp = row["input"]
+    if isinstance(inp, str):
+        inp = [{"role": r, "content": c} for r, c in _LLAMA_TURN.findall(inp)] or [{"role": "user", "content": inp}]
+    output = re.sub(r"^\s*<think>.*?</think>", "", row["output"], flags=re.DOTALL).replace("<|eot_id|>", "")
+    return build(chat_steps(inp) + [("assistant", output)])
+
+
+# name: (dataset, config, split, paper's count (§4.1; None = all), converter)
+SOURCES = {
+    "toolace": ("Team-ACE/ToolACE", "default", "train", None, from_toolace),
+    "apigen": ("Salesforce/APIGen-MT-5k", "default", "train", None, from_apigen),
+    "glaive": ("glaiveai/glaive-function-calling-v2", "default", "train", 101_000, from_glaive),
+    "magicoder": ("ise-uiuc/Magicoder-OSS-Instruct-75K", "default", "train", 48_000, from_magicoder),
+    "tulu_if": ("allenai/tulu-3-sft-personas-instruction-following", "default", "train", 30_000, from_tulu),
+    "chat": ("nvidia/Llama-Nemotron-Post-Training-Dataset", "SFT", "chat", 27_000, from_nemotron_chat),
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Build the non-reasoning SFT mix as {messages} JSONL.")
+    parser.add_argument("--out", default="data/sft.jsonl", help="output JSONL, one {\"messages\": [...]} per line")
+    parser.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES), help="which sources to include")
+    parser.add_argument("--max-per-source", type=int, default=None, help="keep at most this many conversations per source (default: the paper's counts)")
+    parser.add_argument("--strict", action="store_true", help="exit non-zero if any source could not be downloaded")
+    parser.add_argument("--hub-url", default=HUB_ROWS_URL, help="datasets-server base URL")
+    args = parser.parse_args(argv)
+
+    conversations, failed = [], {}
+    for name in args.sources:
+        dataset, config, split, paper_count, convert = SOURCES[name]
+        cap = min(n for n in (paper_count, args.max_per_source, float("inf")) if n is not None)
+        kept, dropped = 0, {}
+        print(f"{name}: downloading {dataset} ({config}/{split}) ...", flush=True)
+        try:
+            for row in fetch_rows(dataset, config, split, base_url=args.hub_url):
+                if kept >= cap:
+                    break
+                try:
+                    if row.pop("_truncated"):
+                        raise Skip("cut short by the rows API")
+                    conversations.append({"messages": convert(row)})
+                    kept += 1
+                except (Skip, KeyError, TypeError, ValueError) as e:  # a malformed record is one drop, not a crash
+                    why = str(e) if isinstance(e, Skip) else f"malformed record ({type(e).__name__})"
+                    dropped[why] = dropped.get(why, 0) + 1
+        except FetchError as e:
+            failed[name] = str(e)
+        print(f"{name}: kept {kept}" + ("" if name not in failed else "  (DOWNLOAD FAILED, see below)"))
+        for why, c in sorted(dropped.items(), key=lambda kv: -kv[1]):
+            print(f"    dropped {c:6d}  {why}")
+
+    for name, err in failed.items():
+        print(f"\n{name}: NOT INCLUDED\n{err}", file=sys.stderr)
+    if not conversations:
+        sys.exit("no conversations: nothing was downloaded or converted (see above)")
+    write_jsonl(args.out, conversations)
+    print(f"wrote {len(conversations)} conversations to {args.out}"
+          + (f"; missing sources: {', '.join(failed)}" if failed else ""))
+    if failed and args.strict:
+        sys.exit(f"--strict: {len(failed)} source(s) failed")
+    return conversations
+
+
+if __name__ == "__main__":
+    main()
