@@ -59,6 +59,17 @@ def get_json(url, retries=4):
         time.sleep(2 ** attempt)
 
 
+def fetch_hint(dataset, http_code):
+    page = f"https://huggingface.co/datasets/{dataset}"
+    if http_code in (401, 403):
+        return f"the set is gated: accept its terms on {page} and export HF_TOKEN=<a read token>"
+    if http_code in (404, 422):
+        return f"its name, config or split may have changed: check {page}"
+    if http_code:
+        return "the datasets-server is busy or still preparing this set: wait a few minutes and run again"
+    return "this needs internet access to huggingface.co (behind a proxy: export https_proxy=...)"
+
+
 def fetch_rows(dataset, config, split, max_rows=None, fields=None, base_url=HUB_ROWS_URL):
     """Yield the rows (dicts, only `fields` if given) of one split in order. The API cuts very long
     cells short: a row lists such cells among `fields` under "_truncated" so the caller can drop it.
@@ -70,13 +81,8 @@ def fetch_rows(dataset, config, split, max_rows=None, fields=None, base_url=HUB_
         try:
             page = get_json(url)
         except (urllib.error.URLError, OSError, ValueError) as e:
-            code = getattr(e, "code", None)
-            hint = ("the set is gated: accept its terms on https://huggingface.co/datasets/" + dataset +
-                    " and export HF_TOKEN=<a read token>" if code in (401, 403) else
-                    "the dataset, config or split name may have changed: check https://huggingface.co/datasets/" + dataset
-                    if code in (404, 422) else "this needs internet access to huggingface.co (proxy? firewall?)")
             raise FetchError(f"could not download {dataset} ({config}/{split}) at offset {offset}: {e}\n"
-                             f"    url: {url}\n---> HINT: {hint}") from None
+                             f"    url: {url}\n---> HINT: {fetch_hint(dataset, getattr(e, 'code', None))}") from None
         for item in page.get("rows", []):
             if max_rows is not None and offset >= max_rows:
                 return
@@ -213,7 +219,8 @@ def clean(records, grams, max_digits=20):
 # -----------------------------------------------------------------------------
 # Sources: each turns one downloaded row into (record, "ok") or (None, why it is skipped).
 
-_DAPO_HEAD = re.compile(r"^Solve the following math problem step by step\..*?where \$Answer is the answer to the problem\.\s*", re.DOTALL)
+_DAPO_HEAD = re.compile(r"^Solve the following math problem step by step\..*?"
+                        r"where \$Answer is the answer to the problem\.\s*", re.DOTALL)
 _DAPO_TAIL = re.compile(r"\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
 
 

@@ -36,6 +36,7 @@ import json
 import os
 import re
 import sys
+from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -59,7 +60,7 @@ def system_prompt(tools=None, instructions=""):
     if tools:
         listed = "\n".join(json.dumps(t if "function" in t else {"type": "function", "function": t}, ensure_ascii=False)
                            for t in tools)
-        tail = re.sub(r"<tools>.*</tools>", lambda m: f"<tools>{listed}</tools>", tail, flags=re.DOTALL)
+        tail = re.sub(r"<tools>\{.*?\}</tools>", lambda m: f"<tools>{listed}</tools>", tail, count=1, flags=re.DOTALL)
     return head + (instructions.strip() + "\n\n" if instructions.strip() else "") + sep + tail
 
 
@@ -69,6 +70,9 @@ def call_text(name, arguments):
 
 
 def build(steps, tools=None):
+    """Steps -> messages: text before a call is that turn's reasoning, consecutive calls make one
+    turn, consecutive results one tool turn, text not followed by a call is a final reply. A system
+    message is added only for records with their own tools or instructions. Raises Skip."""
     msgs, instructions, text, calls = [], [], [], []
 
     def close_turn():
@@ -115,7 +119,7 @@ def build(steps, tools=None):
     close_turn()
     if not msgs or msgs[0]["role"] != "user" or msgs[-1]["role"] != "assistant":
         raise Skip("not user ... assistant")
-    if any(s in m["content"] for m in msgs for s in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")):
+    if any(s in json.dumps(m) for m in msgs for s in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")):
         raise Skip("contains chat special tokens")
     for m in msgs:  # the tool call must parse back exactly (code containing "</tool_call>" would not)
         if "tool_call" in m and parse_tool_call(render_assistant_turn(m)) != (m["tool_call"]["code"], m["tool_call"]["input"]):
@@ -130,7 +134,7 @@ def chat_steps(messages):
     steps = []
     for m in messages:
         if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise Skip(f"unexpected message {str(m)[:40]}")
+            raise Skip(f"unexpected message role {m.get('role')!r}")
         steps.append((m["role"], m["content"]))
     return steps
 
@@ -254,6 +258,7 @@ def from_nemotron_chat(row):
     inp = row["input"]
     if isinstance(inp, str):
         inp = [{"role": r, "content": c} for r, c in _LLAMA_TURN.findall(inp)] or [{"role": "user", "content": inp}]
+    inp = [m for m in inp if not (m.get("role") == "system" and "detailed thinking" in m.get("content", ""))]
     output = re.sub(r"^\s*<think>.*?</think>", "", row["output"], flags=re.DOTALL).replace("<|eot_id|>", "")
     return build(chat_steps(inp) + [("assistant", output)])
 
@@ -282,7 +287,7 @@ def main(argv=None):
     for name in args.sources:
         dataset, config, split, paper_count, convert = SOURCES[name]
         cap = min(n for n in (paper_count, args.max_per_source, float("inf")) if n is not None)
-        kept, dropped = 0, {}
+        kept, dropped = 0, Counter()
         print(f"{name}: downloading {dataset} ({config}/{split}) ...", flush=True)
         try:
             for row in fetch_rows(dataset, config, split, base_url=args.hub_url):
@@ -293,17 +298,18 @@ def main(argv=None):
                         raise Skip("cut short by the rows API")
                     conversations.append({"messages": convert(row)})
                     kept += 1
-                except (Skip, KeyError, TypeError, ValueError) as e:  # a malformed record is one drop, not a crash
-                    why = str(e) if isinstance(e, Skip) else f"malformed record ({type(e).__name__})"
-                    dropped[why] = dropped.get(why, 0) + 1
+                except Skip as e:
+                    dropped[str(e)] += 1
+                except (KeyError, TypeError, ValueError) as e:  # a malformed record is one drop, not a crash
+                    dropped[f"malformed record ({type(e).__name__}{f': {e}' if isinstance(e, KeyError) else ''})"] += 1
         except FetchError as e:
-            failed[name] = str(e)
-        print(f"{name}: kept {kept}" + ("" if name not in failed else "  (DOWNLOAD FAILED, see below)"))
-        for why, c in sorted(dropped.items(), key=lambda kv: -kv[1]):
+            failed[name] = f"{name}: DOWNLOAD FAILED after {kept} conversations\n{e}"
+        print(f"{name}: kept {kept}" + ("  (download failed, see the end)" if name in failed else ""))
+        for why, c in dropped.most_common():
             print(f"    dropped {c:6d}  {why}")
 
-    for name, err in failed.items():
-        print(f"\n{name}: NOT INCLUDED\n{err}", file=sys.stderr)
+    for err in failed.values():
+        print("\n" + err, file=sys.stderr)
     if not conversations:
         sys.exit("no conversations: nothing was downloaded or converted (see above)")
     write_jsonl(args.out, conversations)

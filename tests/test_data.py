@@ -11,7 +11,8 @@ import urllib.parse
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]
+sys.path[:0] = [ROOT]
+sys.path.append(os.path.join(ROOT, "data"))
 
 import prepare_eval  # noqa: E402
 import prepare_rl  # noqa: E402
@@ -172,7 +173,9 @@ def test_glaive_calls_become_tool_call_text_with_its_tools_in_the_system_prompt(
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
     assert '"name": "get_exchange_rate"' in msgs[0]["content"] and TOOL_NAME not in msgs[0]["content"], \
         "the system prompt must list the conversation's functions instead of the Python tool"
-    assert msgs[0]["content"].startswith(SYSTEM_PROMPT.partition("# Tools")[0]), "the reason/answer instructions stay"
+    spec = SYSTEM_PROMPT[SYSTEM_PROMPT.index("<tools>{") + 7:SYSTEM_PROMPT.index("}</tools>") + 1]
+    assert msgs[0]["content"] == SYSTEM_PROMPT.replace(spec, json.dumps({"type": "function", "function": json.loads(
+        GLAIVE["system"][GLAIVE["system"].index("{"):])})), "only the tool list differs from the RL system prompt"
     assert msgs[2]["content"].startswith("</reason>") and "tool_call" not in msgs[2], "a non-code call is text"
     assert call_in(msgs[2]["content"]) == [{"name": "get_exchange_rate", "arguments": {"base": "USD", "target": "EUR"}}]
     assert msgs[3] == {"role": "tool", "content": '{"rate": 0.92}'}
@@ -408,7 +411,7 @@ def test_prepare_sft_end_to_end_reports_missing_sources(hub, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "glaive: kept 1" in captured.out and "1  tool result without a call" in captured.out
     assert "magicoder: kept 2" in captured.out
-    assert "apigen: NOT INCLUDED" in captured.err and "Salesforce/APIGen-MT-5k" in captured.err and "HINT" in captured.err
+    assert "apigen: DOWNLOAD FAILED after 0 conversations" in captured.err and "Salesforce/APIGen-MT-5k" in captured.err and "HINT" in captured.err
     assert "missing sources: apigen" in captured.out
     with pytest.raises(SystemExit, match="--strict"):
         prepare_sft.main(["--out", str(out), "--sources", "tulu_if", "apigen", "--strict", "--hub-url", server.url])
