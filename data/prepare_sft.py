@@ -158,7 +158,7 @@ def from_glaive(row):
         tools = json_objects(row["system"])
     except ValueError:
         raise Skip("unreadable tool list") from None
-    parts = re.split(r"(USER|ASSISTANT|FUNCTION RESPONSE):", row["chat"])
+    parts = re.split(r"(?m)^\s*(USER|ASSISTANT|FUNCTION RESPONSE):", row["chat"])
     steps = []
     for role, body in zip(parts[1::2], parts[2::2]):
         body = body.replace("<|endoftext|>", "").strip()
@@ -172,21 +172,37 @@ def from_glaive(row):
             if has_call:
                 m = re.fullmatch(r"""\{\s*"name":\s*"([^"]+)",\s*"arguments":\s*'(.*)'\s*\}""", call.strip(), re.DOTALL)
                 try:
-                    c = {"name": m.group(1), "arguments": json.loads(m.group(2))} if m else json.loads(call)
-                    steps.append(("call", (c["name"], c["arguments"])))
+                    c = {"name": m.group(1), "arguments": m.group(2)} if m else json.loads(call)
+                    args = json.loads(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"]
+                    steps.append(("call", (c["name"], args)))
                 except (ValueError, KeyError, TypeError):
                     raise Skip("unreadable call") from None
     return build(steps, tools)
 
 
+_CALL_NAME = re.compile(r"(\[|\)\s*,\s*)([A-Za-z_][^()\[\]=,'\"]*?)\s*\(")
+
+
 def bracket_calls(text):
-    """ToolACE's "[f(a=1, b='x'), g()]" -> [(name, arguments)], or None if text is not such a list."""
+    """ToolACE's "[f(a=1, b='x'), Get Stock Price(symbol='X')]" -> [(name, arguments)], or None if
+    text is not such a list. Names may contain spaces, so they are swapped for stand-ins before
+    Python parses the list; a stand-in that lands inside an argument string leaves a count mismatch."""
+    names = []
+
+    def stand_in(m):
+        names.append(m.group(2).strip())
+        return f"{m.group(1)}_f{len(names) - 1}("
     try:
-        tree = ast.parse(text.strip(), mode="eval").body
-        assert isinstance(tree, ast.List) and tree.elts
-        assert all(isinstance(c, ast.Call) and not c.args and isinstance(c.func, (ast.Name, ast.Attribute)) for c in tree.elts)
-        return [(ast.unparse(c.func), {k.arg: ast.literal_eval(k.value) for k in c.keywords}) for c in tree.elts]
-    except (SyntaxError, AssertionError, ValueError, TypeError):
+        tree = ast.parse(_CALL_NAME.sub(stand_in, text.strip()), mode="eval").body
+        if not isinstance(tree, ast.List) or not names or len(tree.elts) != len(names):
+            return None
+        calls = []
+        for i, c in enumerate(tree.elts):
+            if not isinstance(c, ast.Call) or c.args or not isinstance(c.func, ast.Name) or c.func.id != f"_f{i}":
+                return None
+            calls.append((names[i], {k.arg: ast.literal_eval(k.value) for k in c.keywords}))
+        return calls
+    except (SyntaxError, ValueError, TypeError):
         return None
 
 

@@ -181,6 +181,13 @@ def test_glaive_calls_become_tool_call_text_with_its_tools_in_the_system_prompt(
     assert msgs[3] == {"role": "tool", "content": '{"rate": 0.92}'}
     assert msgs[4]["content"] == "</reason><answer>One dollar is 0.92 euros.</answer>"
     assert msgs[6]["content"] == "</reason><answer>You're welcome!</answer>", "<|endoftext|> must be stripped"
+    plain = dict(GLAIVE, chat='USER: Rate?\n\n\nASSISTANT: <functioncall> {"name": "get_exchange_rate", "arguments": '
+                              '{"base": "USD"}} <|endoftext|>\n\n\nFUNCTION RESPONSE: 1\n\n\nASSISTANT: 1.')
+    assert call_in(prepare_sft.from_glaive(plain)[2]["content"]) == [{"name": "get_exchange_rate", "arguments": {"base": "USD"}}]
+    no_tools = {"system": "SYSTEM: You are a helpful assistant, with no access to external functions.",
+                "chat": "USER: Hi, the USER: field is empty\n\n\nASSISTANT: Fill it in. <|endoftext|>"}
+    assert prepare_sft.from_glaive(no_tools) == [{"role": "user", "content": "Hi, the USER: field is empty"},
+                                                 {"role": "assistant", "content": "</reason><answer>Fill it in.</answer>"}]
 
 
 def test_toolace_bracket_calls_parallel_calls_and_results_are_merged_per_turn():
@@ -190,7 +197,19 @@ def test_toolace_bracket_calls_parallel_calls_and_results_are_merged_per_turn():
     assert call_in(msgs[2]["content"]) == [{"name": "Weather", "arguments": {"city": "Paris"}},
                                           {"name": "Weather", "arguments": {"city": "Rome"}}]
     assert msgs[3]["content"] == '[{"temp": 21}]\n[{"temp": 25}]', "two results of one turn make one tool turn"
-    assert prepare_sft.bracket_calls("[Get Stock Price(symbol='X')]") is None, "names with spaces are not calls"
+
+
+
+@pytest.mark.parametrize("text, calls", [
+    ("[Get Stock Price(symbol='X', days=5)]", [("Get Stock Price", {"symbol": "X", "days": 5})]),
+    ("[api.v2.search(q=\"a, b\", flags=[1, 2]), Ping()]", [("api.v2.search", {"q": "a, b", "flags": [1, 2]}), ("Ping", {})]),
+    ("[f(q=\"x), g(\")]", None),           # a name-like piece inside a string must not become a call
+    ("[f(x=g(1))]", None),                  # nested calls are not literal arguments
+    ("[Note] this is prose, not calls]", None),
+    ("[f(1)]", None),                       # positional arguments have no names to put in JSON
+])
+def test_toolace_bracket_call_parsing(text, calls):
+    assert prepare_sft.bracket_calls(text) == calls
 
 
 def test_apigen_keeps_the_policy_and_multi_turn_structure():
