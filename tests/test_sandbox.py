@@ -1,0 +1,320 @@
+"""sandbox.py, adversarially: one test per guarantee in its docstring (the numbers in brackets).
+Most tests share one two-slot Sandbox; the ones that kill workers or close a sandbox get their own."""
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]
+
+from sandbox import Sandbox  # noqa: E402
+
+TIMEOUT = 2.0
+SECRET = "hunter2-do-not-leak"
+
+
+@pytest.fixture(scope="module")
+def sb():
+    os.environ["SANDBOX_TEST_SECRET"] = SECRET  # in the caller's environment before the workers start
+    with Sandbox(workers=2, timeout=TIMEOUT, memory_mb=512, max_output=1000) as box:
+        yield box
+    del os.environ["SANDBOX_TEST_SECRET"]
+
+
+def needs(box, what):
+    if not box.isolation.get(what):
+        pytest.skip(f"the kernel or our privileges did not allow '{what}' isolation here: {box.isolation}")
+
+
+def processes_of(uids):
+    """pids of live processes owned by any of `uids` (the calls' unprivileged users)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = open(f"/proc/{pid}/status").read()
+        except OSError:
+            continue
+        uid = int(status.split("\nUid:")[1].split()[0])
+        if uid in uids and "\nState:\tZ" not in status:
+            found.append(int(pid))
+    return found
+
+
+def assert_nothing_left(box):
+    deadline = time.monotonic() + 1.0  # the kernel needs a moment to tear down killed processes
+    while (left := processes_of(set(box._uids))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes of the sandbox's users survived their call: {left}"
+
+
+# -----------------------------------------------------------------------------
+# Running code [1]
+
+
+def test_last_bare_expression_is_printed_like_a_notebook(sb):
+    assert sb.run("x = 6\nx * 7").stdout == "42\n"
+    assert sb.run("print('hi')").stdout == "hi\n", "a None-valued last expression must print nothing more"
+    assert sb.run("import sympy as sp\nsp.Rational(1, 3) + 1").stdout == "4/3\n"
+
+
+@pytest.mark.parametrize("code, status, in_stderr", [
+    ("import os\nos._exit(3)", "error", ""),
+    ("import sys\nsys.exit(2)", "error", ""),
+    ("import sys\nsys.exit(0)", "ok", ""),
+    ("import sys\nsys.exit('bye')", "error", "bye"),
+    ("raise ValueError('boom')", "error", "ValueError: boom"),
+    ("def f(:\n    pass", "error", "SyntaxError"),
+    ("def f(n):\n    return f(n + 1)\nf(0)", "error", "RecursionError"),
+    ("x = 1\x00", "error", "null"),
+])
+def test_failures_come_back_as_results_not_exceptions(sb, code, status, in_stderr):
+    r = sb.run(code)
+    assert r.status == status and in_stderr in r.stderr, r
+
+
+def test_traceback_shows_the_users_code_not_the_sandbox(sb):
+    r = sb.run("def f(n):\n    return 1 / n\nf(0)")
+    assert "ZeroDivisionError" in r.stderr and "return 1 / n" in r.stderr
+    assert "sandbox.py" not in r.stderr, f"the sandbox's own frames leak into the traceback: {r.stderr}"
+
+
+def test_input_reads_the_given_stdin(sb):
+    assert sb.run("print(input() + input())", "ab\ncd\n").stdout == "abcd\n"
+
+
+def test_input_without_stdin_is_an_eof_error(sb):
+    r = sb.run("input()")
+    assert r.status == "error" and "EOFError" in r.stderr
+
+
+def test_common_imports_work_as_the_unprivileged_user(sb):
+    code = """
+from sympy import *
+import math, cmath, fractions, decimal, itertools, functools, collections, re, random, heapq, bisect
+import statistics, string, json, datetime, operator
+import numpy as np
+import sympy as sp
+x, y = symbols('x y')
+print(factorint(360), solve(x**2 - 4, x), simplify(sin(x)**2 + cos(x)**2), integrate(x * exp(x), x))
+print(limit(sin(x) / x, x, 0), series(cos(x), x, 0, 4), summation(1 / 2**x, (x, 1, oo)), isprime(97))
+print(Matrix([[1, 2], [3, 4]]).inv(), nsimplify(0.125), N(pi, 30), binomial(10, 3), totient(36))
+print(linsolve([x + y - 3, x - y - 1], [x, y]), solveset(x**2 - 1, x), roots(x**3 - 1), Poly(x**2 + 1).degree())
+print(divisors(12), primerange(1, 20), gcd(12, 18), lcm(4, 6), expand((x + 1)**3), factor(x**2 - 1), diff(sin(x), x))
+print(np.linalg.solve(np.eye(2), [1, 2]), np.fft.fft([1, 0, 0, 0]), np.polyfit([0, 1, 2], [1, 3, 5], 1).round(6))
+print(np.random.default_rng(0).integers(10), np.arange(6).reshape(2, 3).sum(axis=0), np.linalg.det(np.eye(3)))
+print(fractions.Fraction(3, 4) + 1, decimal.Decimal(1) / 7, math.comb(10, 3), cmath.sqrt(-1), statistics.mean([1, 2]))
+print(list(itertools.permutations(range(3)))[:2], collections.Counter('aab'), functools.reduce(operator.mul, [1, 2, 3]))
+print(re.findall(r'\\d+', 'a1b22'), heapq.nsmallest(2, [3, 1, 2]), bisect.bisect([1, 2, 3], 2), json.dumps({'a': 1}))
+print(datetime.date(2024, 1, 1).weekday(), string.ascii_lowercase[:3], random.random() < 1, 'é'.encode('utf-16')[:2])
+"""
+    r = sb.run(code)
+    assert r.status == "ok", f"a common import or lazy import fails for the unprivileged user:\n{r.stderr}"
+
+
+# -----------------------------------------------------------------------------
+# Time, memory and output limits [2-4]
+
+
+@pytest.mark.parametrize("code", ["while True:\n    pass", "import time\ntime.sleep(60)"])
+def test_endless_code_is_killed_near_the_timeout(sb, code):
+    start = time.monotonic()
+    r = sb.run(code)
+    assert r.status == "timeout", r
+    assert TIMEOUT <= r.seconds < TIMEOUT + 1.0 and time.monotonic() - start < TIMEOUT + 2.0, r
+
+
+@pytest.mark.parametrize("code", ["x = bytearray(10**10)", "a = []\nwhile True:\n    a.append(bytearray(10**7))"])
+def test_memory_bomb_is_oom(sb, code):
+    r = sb.run(code)
+    assert r.status == "oom" and "MemoryError" in r.stderr, r
+
+
+def test_a_reasonable_allocation_fits_under_the_memory_cap(sb):
+    assert sb.run("import numpy as np\nprint(np.ones(20_000_000).sum())").stdout == "20000000.0\n"
+
+
+def test_fork_bomb_is_contained_and_leaves_no_process(sb):
+    needs(sb, "user")
+    r = sb.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    assert r.status in ("timeout", "error"), r
+    assert_nothing_left(sb)
+    assert sb.run("print('alive')").stdout == "alive\n", "the sandbox does not work after a fork bomb"
+
+
+def test_grandchild_that_outlives_its_parent_is_killed(sb):
+    code = """
+import os, time
+if os.fork() == 0:
+    os.setsid()                     # leave the call's session and process group
+    if (pid := os.fork()) == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(pid, flush=True)
+    os._exit(0)
+_ = os.wait()
+"""
+    r = sb.run(code)
+    pid = int(r.stdout)
+    time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{pid}") and "\nState:\tZ" not in open(f"/proc/{pid}/status").read()
+    assert not alive, f"grandchild {pid} escaped with setsid and outlived its call"
+    if sb.isolation.get("user"):
+        assert_nothing_left(sb)
+
+
+def test_endless_output_is_truncated(sb):
+    r = sb.run("while True:\n    print('x' * 100)")
+    assert r.truncated and r.stdout == ("x" * 100 + "\n") * 9 + "x" * 91, r.stdout[-200:]
+    assert r.status in ("error", "timeout")
+
+
+def test_huge_output_is_truncated_head_for_stdout_tail_for_stderr(sb):
+    r = sb.run("import sys\nprint('a' * 10**6 + 'END')\nprint('b' * 10**6 + 'LAST', file=sys.stderr)")
+    assert r.status == "ok" and r.truncated
+    assert r.stdout == "a" * 1000 and r.stderr == "b" * 995 + "LAST\n"
+
+
+# -----------------------------------------------------------------------------
+# Isolation [5, 6, 8-10]
+
+
+def test_state_set_in_one_call_is_absent_in_the_next(sb):
+    setter = "import sys\nx = 41\nsys.leak = 1\nopen('f.txt', 'w').write('hi')\n__builtins__.leak = 2"
+    checker = "import os, sys\nprint('x' in globals(), hasattr(sys, 'leak'), os.listdir('.'), hasattr(__builtins__, 'leak'))"
+    for _ in range(6):  # two slots: some checker surely follows a setter in the same worker
+        assert sb.run(setter).status == "ok"
+        assert sb.run(checker).stdout == "False False [] False\n"
+
+
+def test_calls_do_not_share_random_streams(sb):
+    draws = sb.run_batch(["import random\nrandom.random()"] * 6 + ["import numpy as np\nnp.random.rand()"] * 6)
+    assert len({r.stdout for r in draws[:6]}) == 6 and len({r.stdout for r in draws[6:]}) == 6
+
+
+def test_the_parents_secret_environment_is_not_visible(sb):
+    r = sb.run("import os\nprint(dict(os.environ))")
+    assert r.status == "ok" and SECRET not in r.stdout
+    r = sb.run(f"print(open('/proc/{os.getpid()}/environ').read())")
+    assert SECRET not in r.stdout + r.stderr, "the call can read the test process's environment"
+
+
+def test_code_cannot_kill_its_worker_or_the_test_process(sb):
+    needs(sb, "user")
+    for target in ("os.getppid()", str(os.getpid())):
+        r = sb.run(f"import os, signal\nos.kill({target}, signal.SIGKILL)")
+        assert r.status == "error" and "PermissionError" in r.stderr, r
+    r = sb.run("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('alone')")  # all it may signal: none
+    assert r.stdout == "alone\n" and sb.run("print(1)").stdout == "1\n"
+
+
+def test_files_cannot_be_written_outside_the_call_directory(sb):
+    needs(sb, "filesystem")
+    targets = ["/tmp/x", "/var/tmp/x", "/dev/shm/x", "/x", "/etc/x", f"{ROOT}/x", f"{ROOT}/sandbox.py", "../x"]
+    code = f"""
+import os
+written = []
+for path in {targets!r}:
+    for attempt in (lambda: open(path, 'a').write('x'), lambda: os.mkdir(path + 'd')):
+        try:
+            attempt()
+            written.append(path)
+        except OSError:
+            pass
+open('mine.txt', 'w').write('fine')
+print(written, open('mine.txt').read())
+"""
+    r = sb.run(code)
+    assert r.stdout == "[] fine\n", f"the call wrote outside its directory: {r}"
+    assert not any(os.path.exists(p) for p in ("/x", "/tmp/x", f"{ROOT}/x", "/dev/shm/x", "/var/tmp/x"))
+
+
+def test_network_connect_to_a_local_listener_fails(sb):
+    needs(sb, "network")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        r = sb.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')")
+    assert r.status == "error" and "connected" not in r.stdout, r
+
+
+# -----------------------------------------------------------------------------
+# Concurrency and workers [1, 7]
+
+
+def test_1000_submissions_from_several_threads_get_their_own_output(sb):
+    def worker(t):
+        futures = [(i, sb.submit(f"print({i}, input())", f"{i * 7}\n")) for i in range(t * 125, (t + 1) * 125)]
+        return [f.result().stdout == f"{i} {i * 7}\n" for i, f in futures]
+    with ThreadPoolExecutor(8) as ex:
+        results = [ok for oks in ex.map(worker, range(8)) for ok in oks]
+    assert len(results) == 1000 and all(results), f"{results.count(False)} calls got someone else's output"
+
+
+def test_killed_worker_is_replaced_and_its_call_returns_killed():
+    with Sandbox(workers=1, timeout=10.0) as box:
+        code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(60)"
+        future = box.submit(code)
+        time.sleep(1.0)  # let it start
+        for proc in list(box._procs.values()):
+            proc.send_signal(signal.SIGKILL)
+        assert future.result(timeout=30).status == "killed"
+        assert box.run("print('back')").stdout == "back\n", "the killed worker was not replaced"
+        if box.isolation.get("user"):
+            assert_nothing_left(box)  # the replacement kills what the dead worker's call left
+
+
+def test_close_kills_running_calls_and_leaves_no_process():
+    box = Sandbox(workers=1, timeout=30.0)
+    procs = list(box._procs.values())
+    future = box.submit("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(60)")
+    time.sleep(1.0)
+    start = time.monotonic()
+    box.close()
+    assert time.monotonic() - start < 5.0 and future.result(timeout=1).status == "killed"
+    assert all(p.poll() is not None for p in procs), "a worker survived close()"
+    if box.isolation.get("user"):
+        assert_nothing_left(box)
+
+
+def test_run_batch_keeps_order_and_accepts_stdin_pairs(sb):
+    results = sb.run_batch(["print(1)", ("print(input())", "two\n"), "3"])
+    assert [r.stdout for r in results] == ["1\n", "two\n", "3\n"]
+
+
+# -----------------------------------------------------------------------------
+# Answer checks
+
+
+def test_verify_accepts_equivalent_forms(sb):
+    assert sb.verify_batch([("\\frac{1}{2}", "0.5"), ("3/4", "\\frac{3}{4}"), ("0.75", "3/4"), ("1,000", "1000")]) == [True] * 4
+
+
+def test_verify_rejects_different_answers(sb):
+    assert sb.verify_batch([("3", "4"), ("", "4"), ("}{\\frac", "4"), ("x", "4")]) == [False] * 4
+
+
+def test_verify_of_a_pathological_answer_returns_false_at_the_timeout(sb):
+    start = time.monotonic()
+    assert sb.submit_verify("10^{10^{10^{10}}}", "1").result() is False
+    assert time.monotonic() - start < TIMEOUT + 2.0, "math-verify ran past the sandbox timeout"
+
+
+def test_verify_from_many_threads(sb):
+    pairs = [(str(i), str(i)) for i in range(20)] + [(str(i), str(i + 1)) for i in range(20)]
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda p: sb.submit_verify(*p).result(), pairs))
+    assert got == [True] * 20 + [False] * 20
+
+
+def test_importing_the_module_is_cheap():
+    import subprocess
+    code = "import sys, sandbox; print(sorted(m for m in ('torch', 'vllm', 'transformers', 'numpy', 'sympy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    assert out == "[]\n", f"importing sandbox pulls in heavy modules: {out}"
