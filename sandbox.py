@@ -1,9 +1,9 @@
 """The code sandbox: a forked process pool that runs model-written Python and grades answers.
 
 Each worker slot has two long-lived processes started from a clean interpreter (never forked
-from the caller): a "light" one with the math-related standard library imported, and a "full"
+from the caller): a "light" one with the standard library that math code uses, and a "full"
 one that also has numpy, sympy and math-verify, warmed up. Every call runs in a fresh child
-forked from one of them: code that imports only what the light one has goes there (a smaller
+forked from one of them: code importing only what the light one has goes there (a smaller
 process forks faster); the rest, and every answer check, goes to the full one.
 
 Guaranteed (each has an adversarial test in tests/test_sandbox.py):
@@ -28,10 +28,10 @@ Not guaranteed: without root or namespaces 8-10 do not hold (code runs as the ca
 can read world-readable files, list processes in /proc and burn CPU until its timeout; kernel
 keyrings and POSIX message queues of its uid outlive it. The dropped uid can import only what
 its worker imported (Python lives under /root here). The worker compiles the code before it
-forks. An answer check is as safe as math-verify's parser, run inside the same confinement.
+forks. An answer check is as safe as math-verify's parser, run in the same confinement.
 """
 import argparse, ast, builtins, functools, itertools, json, os, queue, random, select, shutil
-import signal, subprocess, sys, tempfile, threading, time, traceback, types
+import resource, signal, subprocess, sys, tempfile, threading, time, traceback, types
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -48,6 +48,11 @@ class ExecResult:
 
 
 KILLED = {"status": "killed", "stdout": "", "stderr": "the sandbox worker died", "seconds": 0.0}
+# Answer checks are code too. Each side is wrapped in \boxed{} so that plain answers such as "3/4",
+# "\frac{3}{4}" or "0.75" parse; math-verify's own (signal-based) timeouts stay on as well.
+VERIFY = """from math_verify import parse, verify
+gold, answer = (parse("\\\\boxed{{" + s + "}}") for s in ({gold!r}, {answer!r}))
+print(bool(gold and answer and verify(gold, answer)))"""
 
 # -----------------------------------------------------------------------------
 # Caller side: a queue of jobs, one dispatcher thread per worker slot
@@ -59,24 +64,23 @@ class Sandbox:
     def __init__(self, workers=None, timeout=5.0, memory_mb=1024, max_output=1000):
         self.timeout, self.memory_mb, self.max_output = timeout, memory_mb, max_output
         self.isolation = {}  # {"user", "network", "filesystem"} -> bool, as the workers found
-        self._jobs, self._lock, self._procs, self._closed = queue.SimpleQueue(), threading.Lock(), {}, False
-        self._light_modules = set()
-        n = workers or os.cpu_count() or 1
-        self._uids = [2**30 + (os.getpid() << 8) + next(_slots) % 256 for _ in range(n)]  # pid < 2**22
-        started = [threading.Event() for _ in range(n)]
-        self._threads = [threading.Thread(target=self._serve, args=a, daemon=True) for a in zip(self._uids, started)]
-        for t in self._threads:
-            t.start()
-        for ev in started:
-            ev.wait()
-        if len(self._procs) < 2 * n:
+        self._jobs, self._lock, self._procs, self._closed, self._modules = queue.SimpleQueue(), threading.Lock(), {}, False, {}
+        self._uids = [2**30 + (os.getpid() << 8) + next(_slots) % 256 for _ in range(workers or os.cpu_count() or 1)]
+        self._threads = [threading.Thread(target=self._serve, args=(uid,), daemon=True) for uid in self._uids]
+        with ThreadPoolExecutor(2 * len(self._uids)) as ex:  # start all workers at once
+            started = list(ex.map(self._spawn, *zip(*itertools.product(self._uids, ("light", "full")))))
+        if None in started:
             self.close()
             raise RuntimeError("sandbox workers failed to start (their stderr is above)\n"
                                "---> HINT: run `python sandbox.py --worker full 0 5 1024 1000` to see why")
+        # code that mentions a module only the full worker has (or could import anything) runs there
+        self._heavy = sorted(self._modules["full"] - self._modules["light"]) + ["__import__", "importlib", "exec", "eval"]
+        for t in self._threads:
+            t.start()
 
     def submit(self, code, stdin=""):
         """Run `code` with `stdin` as its standard input: a Future[ExecResult]. Thread-safe."""
-        return self._put({"kind": "exec", "code": str(code), "stdin": str(stdin)}, lambda r: r)
+        return self._put({"code": str(code), "stdin": str(stdin)}, lambda r: r)
 
     def run(self, code, stdin=""):
         return self.submit(code, stdin).result()
@@ -88,7 +92,7 @@ class Sandbox:
 
     def submit_verify(self, answer, gold):
         """Future[bool]: is `answer` equivalent to `gold` (math-verify)? False on timeout or crash."""
-        job = {"kind": "verify", "answer": str(answer), "gold": str(gold)}
+        job = {"code": VERIFY.format(answer=str(answer), gold=str(gold)), "stdin": ""}
         return self._put(job, lambda r: r.status == "ok" and r.stdout == "True\n")
 
     def verify_batch(self, pairs):
@@ -102,36 +106,29 @@ class Sandbox:
         self._jobs.put((future, job, convert))
         return future
 
-    def _serve(self, uid, started):
-        procs = {kind: self._spawn(uid, kind) for kind in ("light", "full")}
-        started.set()
+    def _serve(self, uid):
         while (job := self._jobs.get()) is not None:
             future, request, convert = job
             if not future.set_running_or_notify_cancel():
                 continue
-            light = request["kind"] == "exec" and _runs_light(request["code"], self._light_modules)
-            kind = "light" if light else "full"
-            reply = _ask(procs[kind], request, self.timeout + 10.0, self._lock) if procs[kind] else None
-            if reply is None:  # the worker died or hung: replace it
-                _stop(procs[kind], self._lock, wait=0)
-                procs[kind] = None if self._closed else self._spawn(uid, kind)
+            heavy = any(word in request["code"] for word in self._heavy)
+            proc = self._procs.get((uid, kind := "full" if heavy else "light"))
+            if (reply := proc and _ask(proc, request, self.timeout + 10.0, self._lock)) is None:
+                _stop(proc, self._lock, wait=0)
             future.set_result(convert(ExecResult(**(reply or KILLED))))
-        for proc in procs.values():
-            _stop(proc, self._lock)
+            if reply is None:
+                self._spawn(uid, kind)  # replace the worker that died or hung
 
     def _spawn(self, uid, kind):
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         args = [sys.executable, "-I", "-B", os.path.abspath(__file__), "--worker", kind, str(uid),
                 str(self.timeout), str(self.memory_mb), str(self.max_output)]
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
-        ready = _ask(proc, None, 120.0, self._lock)
-        if ready is None or self._closed:
-            _stop(proc, self._lock, wait=0)
-            return None
-        self.isolation, self._procs[uid, kind] = ready["isolation"], proc
-        if kind == "light":
-            self._light_modules = set(ready["modules"])
+        self._procs[uid, kind] = proc = None if self._closed else subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        if proc is None or (ready := _ask(proc, None, 120.0, self._lock)) is None:
+            return _stop(proc, self._lock, wait=0)
+        self.isolation, self._modules[kind] = ready["isolation"], {m.split(".")[0] for m in ready["modules"]}
         return proc
 
     def close(self):
@@ -141,11 +138,10 @@ class Sandbox:
             self._jobs.put(None)
         for proc in list(self._procs.values()):
             _stop(proc, self._lock)
-        for t in self._threads:
+        for t in filter(threading.Thread.is_alive, self._threads):
             t.join()
         while not self._jobs.empty():
-            job = self._jobs.get()
-            if job is not None and job[0].set_running_or_notify_cancel():
+            if (job := self._jobs.get()) is not None and job[0].set_running_or_notify_cancel():
                 job[0].set_result(job[2](ExecResult(**KILLED)))
 
     def __enter__(self):
@@ -155,38 +151,18 @@ class Sandbox:
         self.close()
 
 
-def _runs_light(code, modules):
-    """Does `code` import only modules that the light worker has loaded?"""
-    if not any(word in code for word in ("import", "exec", "eval")):
-        return True
-    if len(code) > 50_000 or any(word in code for word in ("__import__", "importlib", "exec", "eval")):
-        return False
-    try:
-        nodes = list(ast.walk(ast.parse(code)))
-    except Exception:
-        return True  # it fails to compile the same way in either worker
-    return all(a.name in modules for n in nodes if isinstance(n, ast.Import) for a in n.names) and \
-        all(n.module in modules for n in nodes if isinstance(n, ast.ImportFrom) and n.level == 0)
-
-
 def _ask(proc, request, timeout, lock):
-    """Send one request line (None: only read) and return the reply, or None if the worker is
-    gone. The lock stops close() from closing a worker's stdin in the middle of a write."""
+    """Send one request (None: none) and return the reply line, or None if the worker is gone.
+    The lock stops close() from closing a worker's stdin in the middle of a write."""
     try:
         with lock:
-            data = b"" if request is None else json.dumps(request).encode() + b"\n"
-            while data:
-                data = data[os.write(proc.stdin.fileno(), data):]
-        line, deadline = b"", time.monotonic() + timeout
-        while not line.endswith(b"\n"):
-            if not select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                return None
-            if not (chunk := os.read(proc.stdout.fileno(), 1 << 20)):
-                return None
-            line += chunk
-        return json.loads(line)
+            proc.stdin.write(b"" if request is None else json.dumps(request).encode() + b"\n")
+            proc.stdin.flush()
+        if select.select([proc.stdout], [], [], timeout)[0]:  # a reply arrives whole, or not at all
+            return json.loads(proc.stdout.readline())
     except (OSError, ValueError):
-        return None
+        pass
+    return None
 
 
 def _stop(proc, lock, wait=5.0):
@@ -203,13 +179,13 @@ def _stop(proc, lock, wait=5.0):
 # -----------------------------------------------------------------------------
 # Worker side: `python sandbox.py --worker KIND UID TIMEOUT MEMORY_MB MAX_OUTPUT`
 
-LIGHT = """math cmath fractions decimal itertools functools collections collections.abc re random
-string heapq bisect statistics operator json datetime time copy array struct numbers typing
-dataclasses enum textwrap pprint io traceback linecache hashlib base64 calendar secrets
-unicodedata csv socket encodings.idna encodings.utf_16 encodings.utf_32 encodings.latin_1""".split()
+LIGHT = """math cmath fractions decimal itertools functools collections collections.abc re random string heapq
+bisect statistics operator json datetime time copy array struct numbers typing dataclasses enum textwrap pprint
+io traceback linecache hashlib base64 calendar secrets unicodedata csv socket encodings.idna encodings.utf_16
+encodings.utf_32 encodings.latin_1""".split()
 FULL = LIGHT + "numpy numpy.linalg numpy.fft numpy.polynomial numpy.random numpy.ma mpmath sympy math_verify".split()
-SYMPY_ALL = """assumptions calculus combinatorics concrete core discrete functions geometry holonomic integrals
-logic matrices ntheory polys series sets simplify solvers stats tensor vector""".split()  # every module: sympy imports lazily
+SYMPY_ALL = """assumptions calculus combinatorics concrete core discrete functions geometry holonomic integrals logic
+matrices ntheory polys series sets simplify solvers stats tensor vector""".split()  # sympy imports lazily: all now
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, MS_REC, MS_PRIVATE = 0x20000, 0x8000000, 0x40000000, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 
@@ -282,38 +258,37 @@ def _read(fd, limit, tail):
 
 
 def _call(request, cfg):
-    """Run one request in a fresh forked child; the reply (None: the caller is gone). All that
-    can be done before the fork is, so the child pays little copy-on-write."""
-    if request["kind"] == "verify":
-        job = lambda: print(_equivalent(request["answer"], request["gold"])) or 0
-    else:
-        try:  # compile like a notebook cell: a bare last expression gets its repr printed
-            tree = ast.parse(code := request["code"], "<code>")
-            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-            body, last = compile(tree, "<code>", "exec"), last and compile(ast.Expression(last.value), "<code>", "eval")
-        except Exception as e:
-            err = "".join(traceback.format_exception_only(e))
-            return dict(KILLED, status="error", stderr=err[-cfg.max_output:], truncated=len(err) > cfg.max_output)
-        job = lambda: _run_code(code, body, last)
+    """Run one request in a fresh forked child; the reply (None: the caller is gone). What can be
+    done before the fork is, so that the child pays little copy-on-write."""
+    try:  # compile like a notebook cell: a bare last expression gets its repr printed
+        tree = ast.parse(source := request["code"], "<code>")
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        body, last = compile(tree, "<code>", "exec"), last and compile(ast.Expression(last.value), "<code>", "eval")
+    except Exception as e:
+        err = "".join(traceback.format_exception_only(e))
+        return dict(KILLED, status="error", stderr=err[-cfg.max_output:], truncated=len(err) > cfg.max_output)
     fds = [os.memfd_create(name) for name in ("stdin", "stdout", "stderr")]
     os.write(fds[0], request.get("stdin", "").encode()), os.lseek(fds[0], 0, os.SEEK_SET)
-    tempfile.tempdir = cwd = tempfile.mkdtemp(prefix="call-", dir=cfg.tmp)
+    os.mkdir(cwd := f"{cfg.tmp}/{next(cfg.calls)}", 0o700)
     if cfg.uid is not None:
         os.chown(cwd, cfg.uid, cfg.uid)
+    tempfile.tempdir = cwd
     random.seed(seed := int.from_bytes(os.urandom(4), "little"))
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed)
     sys.stdout.flush(), sys.stderr.flush()
     start = time.monotonic()
     if (pid := _fork()) == 0:
-        _child(job, cwd, fds, cfg)  # never returns
+        _child(source, body, last, cwd, fds, cfg)  # never returns
     pidfd = os.pidfd_open(pid)
     ready = select.select([pidfd, cfg.parent_fd], [], [], cfg.timeout)[0]  # the parent's pipe stirs at EOF
     if pidfd not in ready:
         _kill_all(cfg.uid, pid)
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    seconds = time.monotonic() - start
+    code, seconds = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), time.monotonic() - start
     _reap_leftovers(cfg.uid)
+    if any(os.pread(fd, 4096, 0).count(b"\n") > 1 for fd in cfg.ipc):  # the call left SysV IPC objects:
+        _libc().unshare(CLONE_NEWIPC)  # leave them behind in the old namespace
+        cfg.ipc = [os.close(fd) or os.open(f"/proc/sysvipc/{k}", os.O_RDONLY) for fd, k in zip(cfg.ipc, ("shm", "sem", "msg"))]
     (stdout, cut_out), (stderr, cut_err) = _read(fds[1], cfg.max_output, False), _read(fds[2], cfg.max_output, True)
     for fd in fds + [pidfd]:
         os.close(fd)
@@ -329,24 +304,21 @@ def _call(request, cfg):
     return {"status": status, "stdout": stdout, "stderr": stderr, "seconds": seconds, "truncated": cut_out or cut_err}
 
 
-def _child(job, cwd, fds, cfg):
-    """The forked child: confine itself, then run the job. Never returns."""
-    import resource as r
-    code = 1
+def _child(source, body, last, cwd, fds, cfg):
+    """The forked child: confine itself, then run the code. Never returns."""
+    r, code = resource, 1  # (the other limits and no_new_privs are the worker's, inherited)
     try:
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         os.closerange(3, 1 << 16)
         os.chdir(cwd)
-        limits = {r.RLIMIT_AS: cfg.limit_mb << 20, r.RLIMIT_CPU: int(cfg.timeout) + 1, r.RLIMIT_FSIZE: MAX_FILE,
-                  r.RLIMIT_CORE: 0, **({} if cfg.uid is None else {r.RLIMIT_NPROC: 64})}
-        for res, lim in limits.items():  # (the CPU limit's hard value: SIGKILL a second after SIGXCPU)
-            r.setrlimit(res, (lim, lim + (res == r.RLIMIT_CPU)))
+        r.setrlimit(r.RLIMIT_AS, (cfg.limit_mb << 20,) * 2)
+        r.setrlimit(r.RLIMIT_CPU, (int(cfg.timeout) + 1, int(cfg.timeout) + 2))  # SIGXCPU, then SIGKILL
         if cfg.uid is not None:
             os.setgroups([]), os.setgid(cfg.uid), os.setuid(cfg.uid)
-        _libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        code = job()
+        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (cleared by setuid, so set after it)
+        code = _run_code(source, body, last)
     except MemoryError:
         code = OOM_EXIT
     except BaseException as e:  # the confinement itself failed
@@ -385,41 +357,36 @@ def _run_code(source, body, last):
         return 1
 
 
-def _equivalent(answer, gold):
-    """math-verify with each side wrapped in \\boxed{}, so that plain answers such as "3/4",
-    "\\frac{3}{4}" or "0.75" parse. Its own (signal-based) timeouts stay on too."""
-    from math_verify import parse, verify
-    g, a = parse("\\boxed{" + gold + "}"), parse("\\boxed{" + answer + "}")
-    return bool(g and a and verify(g, a))
-
-
 def _worker(kind, uid, timeout, memory_mb, max_output):
-    import gc, importlib
+    import gc, importlib, pkgutil, warnings
     requests, replies = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0), os.dup2(2, 1)  # stray prints go to stderr
     sys.stdout.reconfigure(line_buffering=True, errors="backslashreplace")  # children inherit these
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so a too-big write fails instead of killing
     _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of a call come back to us
+    _libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no exec can raise privileges (set-uid programs)
+    for res, lim in ((resource.RLIMIT_FSIZE, MAX_FILE), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 64)):
+        resource.setrlimit(res, (lim, lim))  # inherited by every call; NPROC binds once it is not root
     isolation = _isolate(tmpfs_mb=int(memory_mb))
     for name in FULL if kind == "full" else LIGHT:
         importlib.import_module(name)
-    if kind == "full":  # import all of sympy's math and warm it and math-verify up
-        import pkgutil, warnings, sympy as sp
-        warnings.simplefilter("ignore")
-        for pkg in (importlib.import_module("sympy." + name) for name in SYMPY_ALL):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (sympy has installed its own filters by now)
+        for pkg in (importlib.import_module("sympy." + name) for name in SYMPY_ALL if kind == "full"):
             for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 if ".tests" not in m.name and ".benchmarks" not in m.name:
                     importlib.import_module(m.name)
-        x = sp.Symbol("x")
-        sp.solve(x**2 - 5 * x + 6, x), sp.factorint(2**32 + 1), sp.simplify(sp.sin(x)**2 + sp.cos(x)**2)
-        sp.integrate(x * sp.exp(x), x), sp.limit(sp.sin(x) / x, x, 0), sp.series(sp.cos(x), x, 0, 4)
-        sp.nsimplify(0.5), sp.isprime(97), sp.Matrix([[1, 2], [3, 4]]).det(), sp.roots(x**2 - 1)
-        _equivalent("\\frac{1}{2}", "0.5")
+    if kind == "full":  # warm sympy and math-verify up: they build caches and tables on first use
+        exec("from sympy import *\nx = Symbol('x')\nsolve(x**2 - 1), factorint(2**32 + 1), simplify(sin(x)**2 + "
+             "cos(x)**2), integrate(x * exp(x), x), limit(sin(x) / x, x, 0), series(cos(x), x, 0, 4)", {})
+        exec(VERIFY.format(answer="\\frac{1}{2}", gold="0.5"), {})
     gc.collect(), gc.freeze()  # the warm heap stays out of the children's garbage collections
     base_mb = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") >> 20
     cfg = types.SimpleNamespace(uid=int(uid) if os.geteuid() == 0 else None, timeout=float(timeout),
                                 limit_mb=base_mb + int(memory_mb), max_output=int(max_output),
-                                tmp=tempfile.gettempdir(), parent_fd=requests.fileno())
+                                tmp=tempfile.mkdtemp(), parent_fd=requests.fileno(), calls=itertools.count())
+    os.chmod(cfg.tmp, 0o711)  # calls may pass through to their own directories, not list or change it
+    cfg.ipc = [os.open(f"/proc/sysvipc/{k}", os.O_RDONLY) for k in ("shm", "sem", "msg")] if cfg.uid is not None else []
     if cfg.uid is not None:
         _kill_all(cfg.uid)  # whatever a dead predecessor in this slot left running
     _reap_leftovers(cfg.uid)
@@ -431,44 +398,40 @@ def _worker(kind, uid, timeout, memory_mb, max_output):
 
 
 # -----------------------------------------------------------------------------
-# Benchmark: `python sandbox.py --bench`
+# Benchmark: `python sandbox.py --bench`, the pool against subprocess.run per call
 
 BENCH = {"tiny": "print(sum(i * i for i in range(100)))",
          "sympy": "import sympy as sp\nx = sp.symbols('x')\nprint(sp.solve(x**2 - 5*x + 6, x), sp.factorint(2**32 + 1))",
          "error": "def f(n):\n    return 1 / n\nf(0)"}
 
 
-def _measure(call, code, count, concurrency):
-    """calls/s, p50 and p99 latency (s) of `count` calls made from `concurrency` threads."""
-    latencies, start = [], time.perf_counter()
-    def one(_):
-        t = time.perf_counter()
-        call(code)
-        latencies.append(time.perf_counter() - t)
-    with ThreadPoolExecutor(concurrency) as ex:
-        list(ex.map(one, range(count)))
-    latencies.sort()
-    return count / (time.perf_counter() - start), latencies[len(latencies) // 2], latencies[int(0.99 * len(latencies))]
-
-
 def _bench():
-    n = os.cpu_count() or 1
+    n, speedups, done = os.cpu_count() or 1, {}, []
     naive = lambda code: subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
-    speedups = {}
+
+    def measure(call, code, count):  # calls/s, p50 and p99 latency in ms, from n threads
+        def timed(_):
+            t = time.perf_counter()
+            call(code)
+            return time.perf_counter() - t
+        start = time.perf_counter()
+        with ThreadPoolExecutor(n) as ex:
+            latencies = sorted(ex.map(timed, range(count)))
+        return count / (time.perf_counter() - start), 1e3 * latencies[count // 2], 1e3 * latencies[int(0.99 * count)]
+
     with Sandbox(workers=n) as sb:
         print(f"{n} workers, concurrency {n}, isolation {sb.isolation}")
         for name, code in BENCH.items():
             sb.run_batch([code] * 2 * n)  # warm-up
-            pool = _measure(sb.run, code, 300 if name == "sympy" else 2000, n)
-            base = _measure(naive, code, 4 * n if name == "sympy" else 40 * n, n)
+            pool = measure(sb.run, code, 300 if name == "sympy" else 2000)
+            base = measure(naive, code, (4 if name == "sympy" else 40) * n)
             speedups[name] = pool[0] / base[0]
-            for who, (rate, p50, p99) in (("pool", pool), ("subprocess", base)):
-                print(f"{name:6s} {who:10s} {rate:8.1f} calls/s  p50 {p50 * 1e3:7.1f} ms  p99 {p99 * 1e3:7.1f} ms")
-        done, futures = [], []
-        for _ in range(1000):  # a burst: all at once; each latency counts from its own submit
-            futures.append(sb.submit(BENCH["tiny"]))
-            futures[-1].add_done_callback(lambda f, t=time.perf_counter(): done.append(time.perf_counter() - t))
-        [f.result() for f in futures]
+            for who, result in (("pool", pool), ("subprocess", base)):
+                print("%-6s %-10s %8.1f calls/s  p50 %7.1f ms  p99 %7.1f ms" % (name, who, *result))
+        for _ in range(1000):  # a burst, all submitted at once; each latency from its own submit
+            sb.submit(BENCH["tiny"]).add_done_callback(lambda f, t=time.perf_counter(): done.append(time.perf_counter() - t))
+        while len(done) < 1000:
+            time.sleep(0.01)
         done.sort()
         print(f"burst of 1000 tiny submissions: p50 {done[500] * 1e3:.1f} ms  p99 {done[990] * 1e3:.1f} ms")
     print("speedup vs subprocess: " + ", ".join(f"{k} {v:.1f}" for k, v in speedups.items()))
