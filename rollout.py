@@ -1,8 +1,15 @@
 """Multi-turn tool rollouts: the conversation format and the agent loop.
 
-(The conversation format and the agent loop are filled in below; the
-`Trajectory` record is the contract every other file reads.)
+The format (paper Fig. 3) is rendered in one place for SFT, RL and eval. The agent loop is a
+small per-trajectory state machine (start_trajectories -> sampling_params -> engine -> end_turn
+-> sandbox -> add_tool_turn -> ... -> finish) that any driver can step: `rollout_lockstep` here is
+the readable turn-synchronous baseline, scheduler.py the fast one. Trajectories are built from
+token ids, never by re-tokenizing text, so the trainer scores exactly what the sampler produced.
 """
+import json
+import os
+import re
+import time
 from dataclasses import dataclass, field
 
 # -----------------------------------------------------------------------------
@@ -14,7 +21,8 @@ FAILURE_KINDS = ("error", "timeout", "oom", "parse")  # what counts as a failed 
 @dataclass
 class Trajectory:
     index: int                      # which problem of the batch (rollouts of one problem share it)
-    prompt_ids: list[int]           # the rendered prompt, ending with the assistant turn opened by <reason>
+    sample: int = 0                 # which of the problem's rollouts
+    prompt_ids: list[int] = field(default_factory=list)  # the rendered prompt, ending with the assistant turn opened by <reason>
     response_ids: list[int] = field(default_factory=list)  # sampled turns + tool turns, in order
     loss_mask: list[int] = field(default_factory=list)     # 1 = sampled by the policy, 0 = tool/template
     logprobs: list[float] = field(default_factory=list)    # sampler log-prob per response token (0.0 where mask is 0)
@@ -36,9 +44,6 @@ class Trajectory:
 # -----------------------------------------------------------------------------
 # The conversation format (paper Fig. 3; DESIGN.md §3 "Prompt" and "Turns").
 # One place renders conversations: SFT, RL and eval all go through these.
-
-import json
-import re
 
 TOOL_NAME = "execute_python_code_with_standard_io"
 
@@ -308,3 +313,192 @@ def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[flo
         for i, ok in zip(slow, verdicts):
             rewards[i] = float(ok)
     return rewards
+
+
+# -----------------------------------------------------------------------------
+# The vLLM engine. Each vLLM-specific detail lives in one named function (vllm 0.32).
+
+def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: float = 0.5,
+                external_launcher: bool = False):
+    """The vLLM engine for this hardware: bf16 + sleep mode on GPUs, fp32 + eager mode on CPUs."""
+    # In-process engine core: weights can then be handed over as tensors (see sync_weights).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from vllm import LLM
+    kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
+                  gpu_memory_utilization=memory_fraction)  # on CPU: the share of RAM for vLLM
+    if torch.cuda.is_available():
+        kwargs.update(dtype="bfloat16", enable_sleep_mode=True)
+    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up
+        kwargs.update(dtype="float32", enforce_eager=True)
+    if external_launcher:  # under torchrun: one engine per rank, inside the ranks' process group
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return LLM(**kwargs)
+
+
+def sync_weights(llm, named_tensors) -> None:
+    """Load trainer weights in place from an iterator of (name, tensor), HF names. vLLM 0.32's
+    worker exposes `reload_weights`; cached prefixes were computed by the old weights, so drop them."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+    llm.reset_prefix_cache()
+
+
+def _sleep_mode(llm) -> bool:
+    return llm.llm_engine.vllm_config.model_config.enable_sleep_mode  # GPU only in vllm 0.32
+
+
+def sleep(llm) -> None:
+    """Free the engine's GPU memory for training (level 1: weights to host RAM, KV cache freed)."""
+    if _sleep_mode(llm):
+        llm.sleep(level=1)
+
+
+def wake(llm) -> None:
+    if _sleep_mode(llm):
+        llm.wake_up()
+
+
+def kv_capacity_tokens(llm) -> int:
+    """How many tokens the engine's KV cache holds (vllm 0.32 keeps it in the cache config)."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return cache.num_gpu_blocks * cache.block_size
+
+
+# -----------------------------------------------------------------------------
+# The turn logic (DESIGN.md §3 "Turns"): a per-trajectory state machine any driver can step.
+#   start_trajectories -> [sampling_params -> engine -> end_turn -> (sandbox) -> add_tool_turn]* -> finish
+
+@dataclass
+class RolloutConfig:
+    max_turns: int = 10            # T: 10 in RL stages 1-2, 15 in stage 3, 30 at evaluation
+    max_response: int = 8192       # one budget for sampled and tool tokens together
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0                  # every turn of every rollout gets its own seed derived from this
+    max_tool_chars: int = MAX_TOOL_RESPONSE_CHARS
+
+
+def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0) -> list[Trajectory]:
+    """n fresh trajectories per problem ({"question", "answer"}), numbered from `offset`."""
+    trajs = []
+    for i, p in enumerate(problems, start=offset):
+        prompt_ids = tokenizer.encode(render_prompt(p["question"]), add_special_tokens=False)
+        trajs += [Trajectory(index=i, sample=s, prompt_ids=list(prompt_ids), gold=str(p["answer"]))
+                  for s in range(n)]
+    return trajs
+
+
+def sampling_params(traj: Trajectory, cfg: RolloutConfig, tokenizer):
+    """The next turn's sampling: what is left of the budget, stop at <|im_end|>, and a seed of its
+    own, so a trajectory samples the same tokens whichever driver or batch it runs in."""
+    from vllm import SamplingParams
+    seed = hash((cfg.seed, traj.index, traj.sample, traj.num_turns)) % 2**31
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed, logprobs=0,
+                          max_tokens=cfg.max_response - len(traj.response_ids),
+                          stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END)])
+
+
+def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], tokenizer,
+             cfg: RolloutConfig):
+    """Append a sampled turn (loss mask 1; its closing <|im_end|> included). Returns the tool call
+    to run next, (code, stdin), or a parse error to show the model; None once the trajectory has
+    finished (finish_reason set)."""
+    traj.response_ids += token_ids
+    traj.loss_mask += [1] * len(token_ids)
+    traj.logprobs += logprobs
+    traj.num_turns += 1
+    text = tokenizer.decode(token_ids)
+    traj.text += text
+    traj.num_answers += count_answers(text)
+    traj.answer = extract_answer(text) or traj.answer  # the model's last answer counts
+    call = parse_tool_call(text)
+    ended = bool(token_ids) and token_ids[-1] == tokenizer.convert_tokens_to_ids(IM_END)
+    if not ended or len(traj.response_ids) >= cfg.max_response:
+        traj.finish_reason = "length"
+    elif call is None:
+        traj.finish_reason = "answer" if traj.answer is not None else "no_tool_call"
+    elif traj.num_turns >= cfg.max_turns:
+        traj.finish_reason = "max_turns"
+    else:
+        traj.tool_calls += 1
+        if isinstance(call, str):
+            traj.tool_failures["parse"] = traj.tool_failures.get("parse", 0) + 1
+        return call
+    return None
+
+
+def add_tool_turn(traj: Trajectory, result, tokenizer, cfg: RolloutConfig) -> None:
+    """Append the tool's output (an ExecResult, or a parse error) as a user turn (loss mask 0).
+    A tool turn that does not fit the budget ends the trajectory ("length")."""
+    if not isinstance(result, str) and result.status != "ok":
+        kind = result.status if result.status in FAILURE_KINDS else "error"
+        traj.tool_failures[kind] = traj.tool_failures.get(kind, 0) + 1
+    text = render_tool_turn(result if isinstance(result, str)
+                            else format_tool_response(result, cfg.max_tool_chars))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(traj.response_ids) + len(ids) >= cfg.max_response:
+        traj.finish_reason = "length"
+        return
+    traj.response_ids += ids
+    traj.loss_mask += [0] * len(ids)
+    traj.logprobs += [0.0] * len(ids)
+    traj.text += text
+
+
+def finish(trajs: list[Trajectory], sandbox) -> None:
+    """Rewards: 1 if the answer is equivalent to the gold one; truncated trajectories get 0."""
+    rewards = grade([t.answer for t in trajs], [t.gold for t in trajs], sandbox)
+    for t, r in zip(trajs, rewards):
+        t.reward = 0.0 if t.finish_reason == "length" else r
+
+
+def sampled(output) -> tuple[list[int], list[float]]:
+    """Token ids and their log-probs from a vLLM CompletionOutput (logprobs=0: the sampled token's)."""
+    ids = list(output.token_ids)
+    return ids, [lp[t].logprob for t, lp in zip(ids, output.logprobs)]
+
+
+def batch_stats(trajs: list[Trajectory], **seconds) -> dict:
+    """Per-batch statistics for logs."""
+    n = max(len(trajs), 1)
+    stats = {"trajectories": len(trajs), "generated_tokens": sum(sum(t.loss_mask) for t in trajs),
+             "turns_mean": sum(t.num_turns for t in trajs) / n,
+             "tool_calls": sum(t.tool_calls for t in trajs),
+             "accuracy": sum(t.reward for t in trajs) / n, **seconds}
+    for kind in FAILURE_KINDS:
+        stats[f"tool_{kind}"] = sum(t.tool_failures.get(kind, 0) for t in trajs)
+    for reason in ("answer", "no_tool_call", "length", "max_turns"):
+        stats[f"finish_{reason}"] = sum(t.finish_reason == reason for t in trajs)
+    return stats
+
+
+# -----------------------------------------------------------------------------
+# The reference driver: turn-synchronous, as most RL codebases do it. scheduler.py has the fast one.
+
+def rollout_lockstep(llm, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
+                     sampling=None, on_turn=None):
+    """Every active trajectory generates turn k, then all turn-k tool calls run as one sandbox
+    batch, then turn k+1. Returns (trajectories, stats). `sampling` and `on_turn` default to
+    sampling_params and end_turn; benchmarks and tests replace them to script a workload."""
+    sampling, on_turn = sampling or sampling_params, on_turn or end_turn
+    from tqdm import tqdm
+    trajs, t_start = start_trajectories(tokenizer, problems, n), time.perf_counter()
+    active, gen_s, tool_s = list(trajs), 0.0, 0.0
+    with tqdm(total=len(trajs), desc="rollouts", unit="traj", leave=False) as bar:
+        while active:
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": t.prompt_ids + t.response_ids} for t in active],
+                                [sampling(t, cfg, tokenizer) for t in active], use_tqdm=False)
+            gen_s += time.perf_counter() - t0
+            calls = [(t, on_turn(t, *sampled(o.outputs[0]), tokenizer, cfg)) for t, o in zip(active, outs)]
+            calls = [(t, c) for t, c in calls if c is not None]
+            t0 = time.perf_counter()
+            results = iter(sandbox.run_batch([c for _, c in calls if not isinstance(c, str)]))
+            for t, c in calls:
+                add_tool_turn(t, c if isinstance(c, str) else next(results), tokenizer, cfg)
+            tool_s += time.perf_counter() - t0
+            bar.update(sum(1 for t in active if t.finish_reason))
+            active = [t for t in active if not t.finish_reason]
+    finish(trajs, sandbox)
+    return trajs, batch_stats(trajs, gen_seconds=gen_s, tool_seconds=tool_s,
+                              wall_seconds=time.perf_counter() - t_start)

@@ -1,0 +1,72 @@
+"""Shared fixtures: the toy world, the SFT'd toy model, one vLLM engine and one sandbox per session.
+
+The SFT'd toy model takes minutes to train on a CPU, so it is built once per machine and cached
+under ~/.cache/rstar2-agent (RSTAR2_TEST_CACHE overrides), keyed by the code that makes it."""
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CACHE = Path(os.environ.get("RSTAR2_TEST_CACHE", Path.home() / ".cache" / "rstar2-agent"))
+
+
+def _run(*cmd):
+    subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, check=True)
+
+
+def _cached(name: str, key_files: list[str], build) -> Path:
+    """Build `name` once per key (a hash of the files that make it), atomically, under a lock."""
+    from rollout import render_messages  # noqa: F401  (the format is part of the key below)
+    import rollout
+    h = hashlib.sha256()
+    for f in key_files:
+        h.update((ROOT / f).read_bytes())
+    h.update((rollout.render_prompt("q") + rollout.render_tool_turn("o") + rollout.render_tool_call("c")).encode())
+    path = CACHE / f"{name}-{h.hexdigest()[:12]}"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            tmp = path.with_name(path.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            tmp.rename(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_world() -> Path:
+    """data/prepare_toy.py's output: train/test problems, sft.jsonl, init_model/."""
+    return _cached("toy-world", ["data/prepare_toy.py"], lambda out: _run("data/prepare_toy.py", "--out", out))
+
+
+@pytest.fixture(scope="session")
+def toy_sft_model(toy_world) -> Path:
+    """The toy model after `sft.py --preset toy` (the starting point of RL)."""
+    def build(out):
+        _run("sft.py", "--preset", "toy", "--model", toy_world / "init_model",
+             "--data", toy_world / "sft.jsonl", "--out-dir", out)
+    return _cached("toy-sft", ["data/prepare_toy.py", "sft.py"], build)
+
+
+@pytest.fixture(scope="session")
+def sandbox():
+    from sandbox import Sandbox
+    with Sandbox(workers=2, timeout=2.0) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="session")
+def toy_engine(toy_sft_model):
+    """One vLLM engine on the SFT'd toy model for the whole session (an engine costs ~1 minute)."""
+    from rollout import make_engine
+    llm = make_engine(str(toy_sft_model), max_model_len=1024, seed=0, memory_fraction=0.2)
+    yield llm
+    del llm

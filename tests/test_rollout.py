@@ -1,0 +1,253 @@
+"""The agent loop: the turn state machine (fast, scripted turns) and real vLLM rollouts (slow)."""
+import json
+
+import pytest
+
+from rollout import (IM_END, RolloutConfig, Trajectory, add_tool_turn, end_turn, finish,
+                     format_tool_response, render_tool_call, render_tool_turn, start_trajectories)
+from sandbox import ExecResult
+
+
+@pytest.fixture(scope="module")
+def tok(toy_world):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(toy_world / "init_model")
+
+
+def ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def turn(tok, traj, text, cfg, logprob=-0.5):
+    """Feed one scripted assistant turn through the state machine."""
+    t_ids = ids(tok, text)
+    return end_turn(traj, t_ids, [logprob] * len(t_ids), tok, cfg)
+
+
+def fresh(tok):
+    return start_trajectories(tok, [{"question": "What is 12 * 34?", "answer": "408"}], 1)[0]
+
+
+CALL = "I will compute it.</reason>" + render_tool_call("print(12 * 34)") + IM_END
+ANSWER = "The tool says 408.</reason>\n<answer>\\boxed{408}</answer>" + IM_END
+
+
+# -- the state machine, with scripted turns ---------------------------------------
+
+def test_tool_call_turn_returns_the_call_and_tool_turn_is_masked_out(tok):
+    cfg, traj = RolloutConfig(), fresh(tok)
+    assert turn(tok, traj, CALL, cfg) == ("print(12 * 34)", "")
+    n_sampled = len(traj.response_ids)
+    add_tool_turn(traj, ExecResult("ok", "408\n", "", 0.01, False), tok, cfg)
+    tool_ids = ids(tok, render_tool_turn("408"))
+    assert traj.response_ids[n_sampled:] == tool_ids, "tool turn must be the rendered user turn, tokenized alone"
+    assert traj.loss_mask == [1] * n_sampled + [0] * len(tool_ids), "only sampled tokens may carry loss"
+    assert traj.logprobs[n_sampled:] == [0.0] * len(tool_ids)
+    assert traj.tool_calls == 1 and traj.num_tool_failures == 0 and not traj.finish_reason
+
+
+def test_answer_turn_finishes_with_answer_and_counts_answers(tok):
+    cfg, traj = RolloutConfig(), fresh(tok)
+    turn(tok, traj, CALL, cfg)
+    add_tool_turn(traj, ExecResult("ok", "408\n", "", 0.01, False), tok, cfg)
+    assert turn(tok, traj, ANSWER, cfg) is None
+    assert (traj.finish_reason, traj.answer, traj.num_answers, traj.num_turns) == ("answer", "408", 1, 2)
+    assert traj.response_ids[-1] == tok.convert_tokens_to_ids(IM_END), "the sampled <|im_end|> stays in"
+    assert traj.loss_mask[-1] == 1
+
+
+def test_turn_without_call_or_answer_is_no_tool_call(tok):
+    traj = fresh(tok)
+    assert turn(tok, traj, "I do not know.</reason>" + IM_END, RolloutConfig()) is None
+    assert traj.finish_reason == "no_tool_call" and traj.answer is None
+
+
+def test_turn_cut_by_the_budget_is_length(tok):
+    traj = fresh(tok)
+    assert turn(tok, traj, "I will compute it and then", RolloutConfig()) is None  # no <|im_end|>
+    assert traj.finish_reason == "length"
+
+
+def test_tool_call_on_the_last_allowed_turn_is_max_turns(tok):
+    traj = fresh(tok)
+    assert turn(tok, traj, CALL, RolloutConfig(max_turns=1)) is None
+    assert traj.finish_reason == "max_turns" and traj.tool_calls == 0
+
+
+def test_tool_turn_that_does_not_fit_ends_with_length_and_is_not_appended(tok):
+    cfg, traj = RolloutConfig(), fresh(tok)
+    turn(tok, traj, CALL, cfg)
+    cfg.max_response = len(traj.response_ids) + 3
+    before = list(traj.response_ids)
+    add_tool_turn(traj, ExecResult("ok", "408\n", "", 0.01, False), tok, cfg)
+    assert traj.finish_reason == "length" and traj.response_ids == before
+
+
+def test_malformed_call_is_a_parse_failure_and_the_model_sees_the_error(tok):
+    cfg, traj = RolloutConfig(), fresh(tok)
+    err = turn(tok, traj, "Compute.</reason>\n<tool_call>\n{\"name\": oops}\n</tool_call>" + IM_END, cfg)
+    assert isinstance(err, str) and err.startswith("Failed to decode tool call")
+    add_tool_turn(traj, err, tok, cfg)
+    assert traj.tool_failures == {"parse": 1} and traj.tool_calls == 1
+    assert err in tok.decode(traj.response_ids), "the parse error must come back as the tool output"
+
+
+@pytest.mark.parametrize("status", ["error", "timeout", "oom", "killed"])
+def test_failed_execution_is_counted_by_kind(tok, status):
+    cfg, traj = RolloutConfig(), fresh(tok)
+    turn(tok, traj, CALL, cfg)
+    add_tool_turn(traj, ExecResult(status, "", "boom", 1.0, False), tok, cfg)
+    assert traj.tool_failures == {("error" if status == "killed" else status): 1}
+
+
+def test_truncated_trajectory_gets_reward_zero_even_with_a_right_answer(tok):
+    cfg = RolloutConfig()
+    good, cut = fresh(tok), fresh(tok)
+    turn(tok, good, ANSWER, cfg)
+    turn(tok, cut, "Done.</reason>\n<answer>\\boxed{408}</answer> and more", cfg)
+    finish([good, cut], sandbox=None)
+    assert (good.reward, cut.reward) == (1.0, 0.0) and cut.finish_reason == "length"
+
+
+# -- real rollouts on vLLM with the SFT'd toy model -----------------------------------
+
+@pytest.fixture(scope="module")
+def problems(toy_world):
+    lines = (toy_world / "test.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines[:16]]
+
+
+class Recorder:
+    """The real engine, with a record of every prompt it was given and every turn it sampled."""
+
+    def __init__(self, llm):
+        self.llm, self.calls = llm, []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        outs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+        self.calls += [(p["prompt_token_ids"], list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
+        return outs
+
+
+@pytest.fixture(scope="module")
+def lockstep_batch(toy_engine, sandbox, problems):
+    from rollout import rollout_lockstep
+    tok = toy_engine.get_tokenizer()
+    rec = Recorder(toy_engine)
+    trajs, stats = rollout_lockstep(rec, tok, sandbox, problems, 4, RolloutConfig(max_response=512, seed=1))
+    return trajs, stats, rec
+
+
+@pytest.mark.slow
+def test_rollouts_are_multi_turn_and_ids_are_exactly_what_was_sampled(lockstep_batch, toy_engine):
+    trajs, stats, rec = lockstep_batch
+    tok = toy_engine.get_tokenizer()
+    multi = sum(t.num_turns >= 2 and t.tool_calls >= 1 for t in trajs)
+    assert multi > len(trajs) / 2, f"only {multi}/{len(trajs)} trajectories made a tool round-trip"
+    sampled_by_prompt = {tuple(p): s for p, s in rec.calls}
+    for t in trajs:
+        # Walk the trajectory turn by turn: each sampled segment must be exactly what vLLM
+        # returned for the prefix before it, and each tool segment the rendered tool turn.
+        pos = 0
+        while pos < len(t.response_ids):
+            prefix = tuple(t.prompt_ids + t.response_ids[:pos])
+            s = sampled_by_prompt[prefix]
+            assert t.response_ids[pos:pos + len(s)] == s and t.loss_mask[pos:pos + len(s)] == [1] * len(s)
+            pos += len(s)
+            end = pos
+            while end < len(t.response_ids) and t.loss_mask[end] == 0:
+                end += 1
+            if end > pos:
+                text = tok.decode(t.response_ids[pos:end])
+                assert text.startswith("\n<|im_start|>user\n<tool_response>\n")
+                assert t.response_ids[pos:end] == tok.encode(text, add_special_tokens=False)
+            pos = end
+        assert len(t.response_ids) == len(t.loss_mask) == len(t.logprobs)
+    assert stats["generated_tokens"] == sum(sum(t.loss_mask) for t in trajs)
+
+
+@pytest.mark.slow
+def test_trainer_logprobs_match_sampler_logprobs(lockstep_batch, toy_sft_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+    trajs, _, _ = lockstep_batch
+    model = AutoModelForCausalLM.from_pretrained(toy_sft_model, torch_dtype=torch.float32)
+    worst = max_diff_hf_vs_sampler(model, trajs)
+    assert worst < 1e-4, f"HF and vLLM disagree on sampled tokens by {worst:.2e}"
+
+
+def hf_logprobs(model, traj):
+    import torch
+    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+    return lp[len(traj.prompt_ids) - 1:]                       # one per response token
+
+
+def max_diff_hf_vs_sampler(model, trajs):
+    import torch
+    worst = 0.0
+    for t in trajs:
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        diff = (hf_logprobs(model, t) - torch.tensor(t.logprobs))[mask].abs()
+        worst = max(worst, diff.max().item() if mask.any() else 0.0)
+    return worst
+
+
+@pytest.mark.slow
+def test_weight_sync_reaches_the_engine_prefix_cache_included(toy_engine, toy_sft_model, sandbox, problems):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from rollout import rollout_lockstep, sync_weights
+    tok, cfg = toy_engine.get_tokenizer(), RolloutConfig(max_response=48, max_turns=1, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(toy_sft_model, torch_dtype=torch.float32)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    before, _ = rollout_lockstep(toy_engine, tok, sandbox, problems[:4], 1, cfg)  # caches these prompts
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    try:
+        sync_weights(toy_engine, iter(model.state_dict().items()))
+        after, _ = rollout_lockstep(toy_engine, tok, sandbox, problems[:4], 1, cfg)
+        worst = max_diff_hf_vs_sampler(model, after)
+        assert worst < 1e-4, f"after a sync vLLM still differs from the new weights by {worst:.2e} (stale prefix cache?)"
+    finally:
+        sync_weights(toy_engine, iter(original.items()))
+    restored, _ = rollout_lockstep(toy_engine, tok, sandbox, problems[:4], 1, cfg)
+    assert [t.response_ids for t in restored] == [t.response_ids for t in before], \
+        "syncing the original weights back must restore the original samples"
+
+
+@pytest.mark.slow
+def test_turn_and_budget_caps_end_trajectories_with_the_right_reason(toy_engine, sandbox, problems):
+    from rollout import rollout_lockstep
+    tok = toy_engine.get_tokenizer()
+    one_turn, _ = rollout_lockstep(toy_engine, tok, sandbox, problems, 2, RolloutConfig(max_turns=1, max_response=512))
+    assert all(t.num_turns == 1 for t in one_turn)
+    assert any(t.finish_reason == "max_turns" for t in one_turn), "a tool call on the only turn must end it"
+    assert all(t.finish_reason != "max_turns" or t.tool_calls == 0 for t in one_turn)
+    short, _ = rollout_lockstep(toy_engine, tok, sandbox, problems, 2, RolloutConfig(max_response=12))
+    assert all(t.finish_reason == "length" and len(t.response_ids) <= 12 for t in short)
+    assert all(t.reward == 0.0 for t in short)
+
+
+@pytest.mark.slow
+def test_an_infinite_loop_costs_one_timeout_not_the_batch(toy_engine, sandbox, problems):
+    from rollout import rollout_lockstep
+    tok, hung = toy_engine.get_tokenizer(), []
+
+    def hang_the_first_call(traj, token_ids, logprobs, tokenizer, cfg):
+        call = end_turn(traj, token_ids, logprobs, tokenizer, cfg)
+        if isinstance(call, tuple) and not hung:
+            hung.append(traj)
+            return "while True:\n    pass", ""
+        return call
+
+    trajs, stats = rollout_lockstep(toy_engine, tok, sandbox, problems, 2, RolloutConfig(max_response=512),
+                                    on_turn=hang_the_first_call)
+    assert hung and hung[0].tool_failures.get("timeout") == 1
+    assert sum(t.tool_failures.get("timeout", 0) for t in trajs) == 1, "only the looping call may time out"
+    assert all(t.finish_reason for t in trajs)
+    assert stats["tool_seconds"] < 2 * sandbox.timeout + 5, "the loop must cost one timeout, not more"
