@@ -117,6 +117,19 @@ print(datetime.date(2024, 1, 1).weekday(), string.ascii_lowercase[:3], random.ra
     assert r.status == "ok", f"a common import or lazy import fails for the unprivileged user:\n{r.stderr}"
 
 
+def test_standard_library_works_in_the_light_worker(sb):
+    code = """
+import math, fractions, decimal, itertools, functools, collections, re, random, heapq, bisect, statistics, string
+import json, datetime, operator, copy, textwrap, unicodedata, hashlib, base64, calendar, difflib, zlib
+print(datetime.datetime.strptime('2024-01-02', '%Y-%m-%d').isoformat(), 'é'.encode('utf-16')[:2], 'x'.encode('cp1252'))
+print(fractions.Fraction(1, 3) ** 2, decimal.Decimal(2).sqrt(), statistics.median([3, 1, 2]), math.isqrt(10**20))
+print(unicodedata.name('é'), hashlib.sha256(b'').hexdigest()[:8], difflib.SequenceMatcher(None, 'ab', 'ac').ratio())
+"""
+    assert not [word for word in sb._heavy if word in code], "the test meant to run in the light worker"
+    r = sb.run(code)
+    assert r.status == "ok", f"a standard-library (lazy) import fails in the light worker:\n{r.stderr}"
+
+
 # -----------------------------------------------------------------------------
 # Time, memory and output limits [2-4]
 
