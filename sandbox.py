@@ -14,7 +14,8 @@ Guaranteed (each has an adversarial test in tests/test_sandbox.py):
   4. stdout keeps its first `max_output` characters, stderr its last (where the error is);
      `truncated` says either was cut. No file, stdout included, grows past 16 MB.
   5. Each call is a new process in a new empty directory (removed after it) with new random seeds:
-     nothing set in one call is visible in the next. 6. The caller's environment is not visible.
+     nothing set in one call is visible in the next.
+  6. The caller's environment variables (tokens, keys) are not visible.
   7. A worker that dies is replaced; the call it was running returns "killed".
 As root, where the kernel allows namespaces (`Sandbox.isolation` says what held), also:
   8. A call runs as an unprivileged uid (one per slot), no_new_privs, at most 64 processes: fork
@@ -136,6 +137,8 @@ class Sandbox:
             _stop(proc, self._lock)
         for t in filter(threading.Thread.is_alive, self._threads):
             t.join()
+        for proc in list(self._procs.values()):  # (one may have been replaced meanwhile)
+            _stop(proc, self._lock)
         while not self._jobs.empty():
             if (job := self._jobs.get()) is not None and job[0].set_running_or_notify_cancel():
                 job[0].set_result(job[2](ExecResult(**KILLED)))
@@ -265,7 +268,7 @@ def _call(request, cfg):
         err = "".join(traceback.format_exception_only(e))
         return dict(KILLED, status="error", stderr=err[-cfg.max_output:], truncated=len(err) > cfg.max_output)
     fds = [os.memfd_create(name) for name in ("stdin", "stdout", "stderr")]
-    os.write(fds[0], request["stdin"].encode()), os.lseek(fds[0], 0, os.SEEK_SET)
+    os.write(fds[0], request["stdin"].encode(errors="replace")), os.lseek(fds[0], 0, os.SEEK_SET)
     os.mkdir(cwd := f"{cfg.tmp}/{next(cfg.calls)}", 0o700)
     if cfg.uid is not None:
         os.chown(cwd, cfg.uid, cfg.uid)

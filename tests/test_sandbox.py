@@ -205,6 +205,14 @@ def test_state_set_in_one_call_is_absent_in_the_next(sb):
         assert sb.run(checker).stdout == "False False [] False\n"
 
 
+def test_sysv_shared_memory_does_not_outlive_its_call(sb):
+    needs(sb, "user")
+    prefix = "import ctypes\nlibc = ctypes.CDLL(None)\n"
+    for _ in range(6):
+        assert sb.run(prefix + "print(libc.shmget(0x5EED, 4096, 0o1666) >= 0)").stdout == "True\n"  # IPC_CREAT
+        assert sb.run(prefix + "print(libc.shmget(0x5EED, 0, 0o666) >= 0)").stdout == "False\n", "a segment leaked"
+
+
 def test_calls_do_not_share_random_streams(sb):
     draws = sb.run_batch(["import random\nrandom.random()"] * 6 + ["import numpy as np\nnp.random.rand()"] * 6)
     assert len({r.stdout for r in draws[:6]}) == 6 and len({r.stdout for r in draws[6:]}) == 6
