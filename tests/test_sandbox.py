@@ -4,7 +4,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
