@@ -1,0 +1,254 @@
+"""Evaluate a checkpoint on math benchmarks with tool use, as the paper does (§5.1).
+
+    python eval.py --model runs/stage3 --benchmarks aime24 aime25 hmmt25 math500
+    python eval.py --model runs/toy_sft --benchmarks data/toy/test.jsonl --n 4 --max-response 1024
+    torchrun --nproc_per_node=8 eval.py --model runs/stage3 --benchmarks aime24 aime25
+    python eval.py --model runs/stage2 --filter-solved 8 --data data/rl.jsonl --out data/rl_hard.jsonl
+
+1. Same prompt, rollout code (scheduler.py) and reward as training; defaults are the paper's:
+   temperature 0.6, 16 samples per problem, up to 30K tokens, T = 30 turns.
+2. One table per run: avg pass@1, unbiased pass@k (pass_at_k) for k = 2, 4, ... up to n, mean
+   response length in tokens (sampled and tool tokens), mean tool calls, tool-error ratio (failed
+   calls / calls), share truncated, tool-use rate (share of samples with at least one tool call).
+3. Under torchrun every rank runs its own engine and pulls problems from a shared counter; the
+   trajectories are gathered, and rank 0 prints the table and writes table.json + samples.jsonl.
+4. --filter-solved K: the stage-3 difficulty filter. Sample K rollouts per training problem and
+   keep the problems not solved K/K (original fields kept). Sampling then defaults to the stage-2
+   training settings (temperature 1.0, 12K tokens, T = 10); explicit flags still win.
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import time
+from collections import defaultdict
+
+from rollout import RolloutConfig, kv_capacity_tokens, make_engine, render_prompt
+from scheduler import SharedCounter, rollout_scheduled
+
+# -----------------------------------------------------------------------------
+# Arguments. Defaults are the paper's evaluation settings (1); --filter-solved uses training's (4).
+
+FILTER_DEFAULTS = dict(temperature=1.0, max_response=12288, max_turns=10)
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description="Evaluate a checkpoint with tool use: avg pass@1, pass@k, lengths, tool statistics.")
+    parser.add_argument("--model", required=True, help="HF checkpoint to evaluate (local path or hub id)")
+    parser.add_argument("--benchmarks", nargs="+", default=["aime24", "aime25"], help="names (aime24 aime25 hmmt25 math500) or local JSONL paths")
+    parser.add_argument("--eval-dir", default="data/eval", help="where named benchmarks are cached (data/prepare_eval.py)")
+    parser.add_argument("--n", type=int, default=16, help="samples per problem")
+    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    parser.add_argument("--max-response", type=int, default=30000, help="token budget per trajectory, sampled and tool tokens together")
+    parser.add_argument("--max-turns", type=int, default=30, help="assistant turns per trajectory (T)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="engine context; default: longest prompt + --max-response, capped at the model's context")
+    parser.add_argument("--memory-fraction", type=float, default=None, help="share of GPU memory (on CPU: of RAM) for vLLM; default 0.85 on GPU, 0.2 on CPU")
+    parser.add_argument("--tool-workers", type=int, default=None, help="sandbox processes per rank (default: one per CPU core)")
+    parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds a tool call may run")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (every turn of every sample derives its own)")
+    parser.add_argument("--out-dir", default=None, help="where table.json, samples.jsonl and eval_config.json go (default results/<model name>)")
+    parser.add_argument("--filter-solved", type=int, default=0, metavar="K", help="stage-3 filter: sample K per problem of --data, write those not solved K/K to --out")
+    parser.add_argument("--data", default=None, help="with --filter-solved: the training JSONL to filter")
+    parser.add_argument("--out", default=None, help="with --filter-solved: where the unsolved problems go")
+    if parser.parse_known_args(argv)[0].filter_solved:  # (4) training's sampling; explicit flags win
+        parser.set_defaults(**FILTER_DEFAULTS)
+    args = parser.parse_args(argv)
+    if args.filter_solved and not (args.data and args.out):
+        parser.error("--filter-solved needs --data and --out\n"
+                     "---> HINT: python eval.py --model runs/stage2 --filter-solved 8 --data data/rl.jsonl --out data/rl_hard.jsonl")
+    if args.out_dir is None:
+        args.out_dir = os.path.join("results", os.path.basename(os.path.normpath(args.model)))
+    return args
+
+
+# -----------------------------------------------------------------------------
+# Metrics (2): pure functions of graded samples, tested without a model.
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), computed as
+    1 - prod_{i=n-c+1..n} (1 - k/i) so that large n neither overflows nor loses precision."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def table_ks(n: int) -> list[int]:
+    """The k of the table's pass@k columns: powers of two from 2 up to n, and n itself."""
+    return sorted({2 ** e for e in range(1, n.bit_length()) if 2 ** e <= n} | ({n} if n > 1 else set()))
+
+
+def benchmark_row(name: str, samples: list[dict], n: int) -> dict:
+    """One table row from a benchmark's graded samples (n per problem)."""
+    correct = defaultdict(int)
+    for s in samples:
+        correct[s["problem"]] += s["reward"] == 1.0
+    count, calls = max(len(samples), 1), sum(s["tool_calls"] for s in samples)
+    row = {"benchmark": name, "problems": len(correct), "samples": len(samples),
+           "avg_pass@1": sum(s["reward"] for s in samples) / count}
+    for k in table_ks(n):
+        row[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct.values()) / max(len(correct), 1)
+    row.update(response_tokens=sum(s["response_tokens"] for s in samples) / count,
+               tool_calls=calls / count,
+               tool_error_ratio=sum(sum(s["tool_failures"].values()) for s in samples) / max(calls, 1),
+               truncated=sum(s["finish_reason"] == "length" for s in samples) / count,
+               tool_use_rate=sum(s["tool_calls"] > 0 for s in samples) / count)
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a fixed-width text table; rates in percent."""
+    ks = [key for key in rows[0] if key.startswith("pass@")]
+    head = ["benchmark", "problems", "samples", "avg@1"] + ks + ["resp tok", "tool calls", "tool err", "trunc", "tool use"]
+    lines = [[r["benchmark"], str(r["problems"]), str(r["samples"]), f"{100 * r['avg_pass@1']:.1f}"]
+             + [f"{100 * r[k]:.1f}" for k in ks]
+             + [f"{r['response_tokens']:.0f}", f"{r['tool_calls']:.2f}", f"{100 * r['tool_error_ratio']:.1f}",
+                f"{100 * r['truncated']:.1f}", f"{100 * r['tool_use_rate']:.1f}"] for r in rows]
+    width = [max(len(x[i]) for x in [head] + lines) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, width)))
+    return "\n".join([fmt(head), "  ".join("-" * w for w in width)] + [fmt(x) for x in lines])
+
+
+def select_unsolved(problems: list[dict], samples: list[dict], k: int) -> list[dict]:
+    """(4) The problems not solved k/k, in order, as given. Every problem must have k samples."""
+    tried, solved = defaultdict(int), defaultdict(int)
+    for s in samples:
+        tried[s["problem"]] += 1
+        solved[s["problem"]] += s["reward"] == 1.0
+    if any(tried[i] != k for i in range(len(problems))) or len(tried) != len(problems):
+        raise ValueError(f"select_unsolved needs exactly {k} graded samples per problem")
+    return [p for i, p in enumerate(problems) if solved[i] < k]
+
+
+# -----------------------------------------------------------------------------
+# Rollouts (1, 3): all benchmarks in one scheduled batch, so ranks balance across all of them.
+
+_batches = itertools.count()  # shared-counter keys; every rank calls evaluate in the same order
+
+
+def evaluate(llm, tokenizer, sandbox, benchmarks: dict[str, list[dict]], cfg: RolloutConfig, n: int,
+             distributed: bool = False) -> tuple[list[dict], list[dict]]:
+    """Roll out n samples of every problem of every benchmark and grade them.
+    Returns (table rows, one per benchmark; graded samples, one dict per trajectory)."""
+    names, problems = [], []
+    for name, probs in benchmarks.items():
+        names += [(name, i) for i in range(len(probs))]
+        problems += probs
+    counter = SharedCounter(f"eval/{next(_batches)}", distributed=True) if distributed else None
+    trajs, _ = rollout_scheduled(llm.llm_engine, tokenizer, sandbox, problems, n, cfg,
+                                 kv_tokens=kv_capacity_tokens(llm), counter=counter)
+    samples = [{"benchmark": names[t.index][0], "problem": names[t.index][1], "sample": t.sample,
+                "question": problems[t.index]["question"], "gold": t.gold, "answer": t.answer,
+                "reward": t.reward, "finish_reason": t.finish_reason, "turns": t.num_turns,
+                "tool_calls": t.tool_calls, "tool_failures": dict(t.tool_failures),
+                "response_tokens": len(t.response_ids), "text": t.text} for t in trajs]
+    rows = [benchmark_row(name, [s for s in samples if s["benchmark"] == name], n) for name in benchmarks]
+    return rows, samples
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None, llm=None):
+    """The CLI. Returns (table rows, graded samples); `llm`: an engine already made (tests share one)."""
+    args = get_args(argv)
+    filtering = args.filter_solved > 0
+    n = args.filter_solved if filtering else args.n
+
+    # -- compute: torchrun -> one engine per rank in the ranks' process group; else no group (3)
+    distributed, rank = "RANK" in os.environ, 0
+    if distributed:
+        import torch.distributed as dist
+        from sft import init_distributed
+        rank = init_distributed()[0]
+    master = rank == 0
+    import torch
+    if args.memory_fraction is None:
+        args.memory_fraction = 0.85 if torch.cuda.is_available() else 0.2
+
+    # -- data (before the engine: the longest prompt sizes its context)
+    from transformers import AutoConfig, AutoTokenizer
+    from data.prepare_eval import load_benchmark
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if distributed and rank != 0:
+        dist.barrier()  # rank 0 loads first: it downloads what is missing
+    if filtering:
+        load_benchmark(args.data)  # checks that every line has a question and an answer
+        benchmarks = {args.data: [json.loads(line) for line in open(args.data, encoding="utf-8") if line.strip()]}
+    else:
+        benchmarks = {name: load_benchmark(name, args.eval_dir) for name in args.benchmarks}
+    if distributed and rank == 0:
+        dist.barrier()
+    if any(not probs for probs in benchmarks.values()):
+        raise ValueError(f"no problems in {[b for b, p in benchmarks.items() if not p]}\n---> HINT: check the JSONL files")
+    prompts = [render_prompt(p["question"]) for probs in benchmarks.values() for p in probs]
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    if args.max_model_len is None:
+        args.max_model_len = longest + args.max_response
+        if context and args.max_model_len > context:
+            args.max_model_len = context
+    if longest + args.max_response > args.max_model_len:
+        cut = args.max_model_len - longest
+        if cut < 16:
+            raise ValueError(f"the longest prompt has {longest} tokens; --max-model-len {args.max_model_len} leaves no room to answer\n"
+                             f"---> HINT: raise --max-model-len (the model's context is {context} tokens)")
+        if master:
+            print(f"warning: --max-response cut from {args.max_response} to {cut} tokens so that the longest "
+                  f"prompt ({longest} tokens) and a response fit in {args.max_model_len} tokens")
+        args.max_response = cut
+    config = vars(args)
+    if master:
+        print(json.dumps(config, indent=2))
+        print(f"{sum(map(len, benchmarks.values()))} problems x {n} samples, longest prompt {longest} tokens")
+
+    # -- engine + sandbox
+    from sandbox import Sandbox
+    if llm is None:
+        llm = make_engine(args.model, args.max_model_len, seed=args.seed, memory_fraction=args.memory_fraction,
+                          external_launcher=distributed)
+    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response, temperature=args.temperature,
+                        top_p=args.top_p, seed=args.seed)
+
+    # -- rollouts
+    t0 = time.perf_counter()
+    with Sandbox(workers=args.tool_workers, timeout=args.tool_timeout) as sandbox:
+        rows, samples = evaluate(llm, tokenizer, sandbox, benchmarks, cfg, n, distributed)
+    seconds = time.perf_counter() - t0
+
+    # -- table (2)
+    if master:
+        print(f"\n{args.model}: temperature {args.temperature}, {n} samples, up to {args.max_response} tokens, "
+              f"T = {args.max_turns} ({seconds:.0f} s)")
+        print(format_table(rows))
+        for r in rows:
+            print(f"tool-use rate {r['benchmark']}: {100 * r['tool_use_rate']:.1f}% of samples call the tool")
+
+    # -- files (rank 0 only)
+    if master and filtering:
+        problems = next(iter(benchmarks.values()))
+        hard = select_unsolved(problems, samples, n)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in hard)
+        print(f"--filter-solved {n}: removed {len(problems) - len(hard)} of {len(problems)} problems "
+              f"(solved {n}/{n}); kept {len(hard)} -> {args.out}")
+    elif master:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "eval_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        with open(os.path.join(args.out_dir, "table.json"), "w") as f:
+            json.dump({"config": config, "seconds": seconds, "table": rows}, f, indent=2)
+        with open(os.path.join(args.out_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+        print(f"wrote table.json, samples.jsonl ({len(samples)} samples) and eval_config.json to {args.out_dir}")
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return rows, samples
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""eval.py: the unbiased pass@k, the table, the stage-3 filter (fast), and a real toy evaluation (slow)."""
+import itertools
+import json
+import math
+
+import pytest
+
+from eval import benchmark_row, format_table, main, pass_at_k, select_unsolved, table_ks
+
+
+def pass_at_k_by_enumeration(n, c, k):
+    """The definition: the share of k-subsets of the n samples that hold at least one correct one."""
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(outcomes, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_direct_enumeration_over_subsets():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                got, want = pass_at_k(n, c, k), pass_at_k_by_enumeration(n, c, k)
+                assert math.isclose(got, want, abs_tol=1e-12), f"pass@{k} with n={n}, c={c}: {got} != {want}"
+
+
+def test_pass_at_k_edge_cases():
+    assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 0, 8) == 0.0, "no correct sample: pass@k must be 0"
+    assert pass_at_k(8, 8, 1) == 1.0 and pass_at_k(8, 8, 8) == 1.0, "all correct: pass@k must be 1"
+    assert pass_at_k(8, 1, 8) == 1.0, "k = n with one correct sample: the only subset holds it"
+    assert math.isclose(pass_at_k(16, 5, 1), 5 / 16), "pass@1 must be the fraction correct"
+    assert 0.0 < pass_at_k(1000, 1, 10) < 1.0, "large n must not overflow or round to 0/1"
+    assert math.isclose(pass_at_k(1000, 1, 10), 10 / 1000, rel_tol=1e-12)
+    for bad in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)]:
+        with pytest.raises(ValueError):
+            pass_at_k(*bad)
+
+
+def test_table_ks_are_powers_of_two_up_to_n_and_n():
+    assert table_ks(1) == [] and table_ks(4) == [2, 4] and table_ks(16) == [2, 4, 8, 16] and table_ks(6) == [2, 4, 6]
+
+
+def graded(pass_counts, k):
+    """Fixture: problem i has k samples of which pass_counts[i] are correct (correct ones last)."""
+    return [{"problem": i, "reward": float(s >= k - c), "tool_calls": s % 3, "tool_failures": {"error": s % 2},
+             "response_tokens": 10 * (s + 1), "finish_reason": "length" if s == 0 else "answer"}
+            for i, c in enumerate(pass_counts) for s in range(k)]
+
+
+def test_filter_keeps_exactly_the_problems_below_k_of_k():
+    counts = [8, 0, 7, 8, 1, 8, 4]
+    problems = [{"question": f"q{i}", "answer": str(i), "source": "dapo", "id": 100 + i} for i in range(len(counts))]
+    kept = select_unsolved(problems, graded(counts, 8), 8)
+    assert kept == [problems[i] for i in (1, 2, 4, 6)], "kept must be the problems solved fewer than 8/8, fields intact"
+    assert select_unsolved(problems, graded([8] * 7, 8), 8) == [], "problems solved 8/8 must all be removed"
+    with pytest.raises(ValueError):
+        select_unsolved(problems, graded(counts, 8)[:-1], 8)  # a problem with 7 samples: not a K/K verdict
+
+
+def test_table_row_numbers_follow_from_the_samples():
+    samples = graded([4, 0, 2], 4)
+    row = benchmark_row("toy", samples, 4)
+    assert (row["problems"], row["samples"]) == (3, 12)
+    assert math.isclose(row["avg_pass@1"], 6 / 12)
+    assert math.isclose(row["pass@2"], (1 + 0 + pass_at_k(4, 2, 2)) / 3) and math.isclose(row["pass@4"], 2 / 3)
+    assert math.isclose(row["response_tokens"], 25.0)            # 10, 20, 30, 40 per problem
+    assert math.isclose(row["tool_calls"], (0 + 1 + 2 + 0) / 4)
+    assert math.isclose(row["tool_error_ratio"], 2 / 3), "failed calls / calls (s=1,3 fail; calls 0+1+2+0)"
+    assert math.isclose(row["truncated"], 1 / 4) and math.isclose(row["tool_use_rate"], 2 / 4)
+    assert "pass@4" in format_table([row]).splitlines()[0]
+
+
+@pytest.mark.slow
+def test_toy_evaluation_table_matches_its_samples_and_files_are_written(toy_engine, toy_world, sandbox, tmp_path, capsys):
+    from eval import evaluate
+    from rollout import RolloutConfig
+    problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:16]]
+    cfg = RolloutConfig(max_turns=10, max_response=512, temperature=0.6, seed=0)
+    rows, samples = evaluate(toy_engine, toy_engine.get_tokenizer(), sandbox, {"toy": problems[:10], "toy2": problems[10:]}, cfg, 4)
+    with capsys.disabled():
+        print("\n" + format_table(rows))
+    assert [r["benchmark"] for r in rows] == ["toy", "toy2"] and [r["problems"] for r in rows] == [10, 6]
+    assert len(samples) == 64 and all(s["finish_reason"] and s["text"] for s in samples)
+    for r in rows:
+        mine = [s for s in samples if s["benchmark"] == r["benchmark"]]
+        assert r["samples"] == len(mine) == 4 * r["problems"]
+        assert math.isclose(r["avg_pass@1"], sum(s["reward"] for s in mine) / len(mine)), "avg pass@1 must be the mean reward"
+        assert r["avg_pass@1"] <= r["pass@2"] <= r["pass@4"] <= 1.0, "pass@k must grow with k"
+        assert math.isclose(r["response_tokens"], sum(s["response_tokens"] for s in mine) / len(mine))
+        assert math.isclose(r["truncated"], sum(s["finish_reason"] == "length" for s in mine) / len(mine))
+    assert all(s["gold"] == problems[(10 if s["benchmark"] == "toy2" else 0) + s["problem"]]["answer"] for s in samples), \
+        "samples must map back to their own problem"
+    assert sum(s["reward"] for s in samples) > 0, "the SFT'd toy model should solve some problems"
+    assert sum(s["tool_calls"] for s in samples) > 0, "the SFT'd toy model should call the tool"
