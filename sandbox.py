@@ -109,7 +109,8 @@ class Sandbox:
             if not future.set_running_or_notify_cancel():
                 continue
             kind = "full" if any(word in request["code"] for word in self._heavy) else "light"
-            proc = self._procs.get((uid, kind))
+            if (proc := self._procs.get((uid, kind))) is None or proc.poll() is not None:
+                proc = self._spawn(uid, kind)  # it died while idle: replace it first
             if (reply := _ask(proc, request, self.timeout + 10, self._lock) if proc else None) is None:
                 _stop(proc, self._lock, wait=0)
             future.set_result(convert(ExecResult(**(reply or KILLED))))

@@ -286,6 +286,7 @@ def test_killed_worker_is_replaced_and_its_call_returns_killed():
             proc.send_signal(signal.SIGKILL)
         assert future.result(timeout=30).status == "killed"
         assert box.run("print('back')").stdout == "back\n", "the killed worker was not replaced"
+        assert box.run("import sympy\nsympy.Integer(7)").stdout == "7\n", "a worker killed while idle fails the next call"
         if box.isolation.get("user"):
             assert_nothing_left(box)  # the replacement kills what the dead worker's call left
 
