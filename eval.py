@@ -2,7 +2,7 @@
 
     python eval.py --model runs/stage3 --benchmarks aime24 aime25 hmmt25 math500
     python eval.py --model runs/toy_sft --benchmarks data/toy/test.jsonl --n 4 --max-response 1024
-    torchrun --nproc_per_node=8 eval.py --model runs/stage3 --benchmarks aime24 aime25
+    torchrun --nproc_per_node=8 eval.py --model runs/stage3 --benchmarks aime24 aime25 --samples 16
     python eval.py --model runs/stage2 --filter-solved 8 --data data/rl.jsonl --out data/rl_hard.jsonl
 
 1. Same prompt, rollout code (scheduler.py) and reward as training; defaults are the paper's:
@@ -38,17 +38,17 @@ def get_args(argv=None):
     parser.add_argument("--model", required=True, help="HF checkpoint to evaluate (local path or hub id)")
     parser.add_argument("--benchmarks", nargs="+", default=["aime24", "aime25"], help="names (aime24 aime25 hmmt25 math500) or local JSONL paths")
     parser.add_argument("--eval-dir", default="data/eval", help="where named benchmarks are cached (data/prepare_eval.py)")
-    parser.add_argument("--n", type=int, default=16, help="samples per problem")
+    parser.add_argument("--n", "--samples", type=int, default=16, dest="n", help="samples per problem (under torchrun spell it --samples: torchrun reads --n as its own)")
     parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     parser.add_argument("--max-response", type=int, default=30000, help="token budget per trajectory, sampled and tool tokens together")
     parser.add_argument("--max-turns", type=int, default=30, help="assistant turns per trajectory (T)")
     parser.add_argument("--max-model-len", type=int, default=None, help="engine context; default: longest prompt + --max-response, capped at the model's context")
     parser.add_argument("--memory-fraction", type=float, default=None, help="share of GPU memory (on CPU: of RAM) for vLLM; default 0.85 on GPU, 0.2 on CPU")
-    parser.add_argument("--tool-workers", type=int, default=None, help="sandbox processes per rank (default: one per CPU core)")
+    parser.add_argument("--tool-workers", type=int, default=None, help="sandbox workers per rank (default: the CPU cores shared among the node's ranks)")
     parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds a tool call may run")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (every turn of every sample derives its own)")
-    parser.add_argument("--out-dir", default=None, help="where table.json, samples.jsonl and eval_config.json go (default results/<model name>)")
+    parser.add_argument("--out-dir", default=None, help="where table.json, samples.jsonl and eval_config.json go (default results/<model name>; not with --filter-solved)")
     parser.add_argument("--filter-solved", type=int, default=0, metavar="K", help="stage-3 filter: sample K per problem of --data, write those not solved K/K to --out")
     parser.add_argument("--data", default=None, help="with --filter-solved: the training JSONL to filter")
     parser.add_argument("--out", default=None, help="with --filter-solved: where the unsolved problems go")
@@ -165,6 +165,8 @@ def main(argv=None, llm=None):
         rank = init_distributed()[0]
     master = rank == 0
     import torch
+    if args.tool_workers is None:
+        args.tool_workers = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if args.memory_fraction is None:
         args.memory_fraction = 0.85 if torch.cuda.is_available() else 0.2
 
@@ -244,9 +246,8 @@ def main(argv=None, llm=None):
         with open(os.path.join(args.out_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
         print(f"wrote table.json, samples.jsonl ({len(samples)} samples) and eval_config.json to {args.out_dir}")
-    if distributed:
+    if distributed:  # vLLM 0.32's engine shutdown destroys the process group: destroying it here breaks that
         dist.barrier()
-        dist.destroy_process_group()
     return rows, samples
 
 

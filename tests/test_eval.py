@@ -70,24 +70,43 @@ def test_table_row_numbers_follow_from_the_samples():
 
 
 @pytest.mark.slow
-def test_toy_evaluation_table_matches_its_samples_and_files_are_written(toy_engine, toy_world, sandbox, tmp_path, capsys):
-    from eval import evaluate
-    from rollout import RolloutConfig
-    problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:16]]
-    cfg = RolloutConfig(max_turns=10, max_response=512, temperature=0.6, seed=0)
-    rows, samples = evaluate(toy_engine, toy_engine.get_tokenizer(), sandbox, {"toy": problems[:10], "toy2": problems[10:]}, cfg, 4)
+def test_toy_evaluation_table_matches_its_samples_and_files_are_written(toy_engine, toy_sft_model, toy_world, tmp_path, capsys):
+    lines = (toy_world / "test.jsonl").read_text().splitlines()[:16]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:10]) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[10:]) + "\n")
+    out = tmp_path / "results"
+    rows, samples = main(["--model", str(toy_sft_model), "--benchmarks", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
+                          "--n", "4", "--max-response", "512", "--max-turns", "10", "--out-dir", str(out)], llm=toy_engine)
+    printed = capsys.readouterr().out
     with capsys.disabled():
         print("\n" + format_table(rows))
-    assert [r["benchmark"] for r in rows] == ["toy", "toy2"] and [r["problems"] for r in rows] == [10, 6]
-    assert len(samples) == 64 and all(s["finish_reason"] and s["text"] for s in samples)
-    for r in rows:
+    assert format_table(rows) in printed and "tool-use rate" in printed, "the table must be printed"
+    assert [r["problems"] for r in rows] == [10, 6] and len(samples) == 64
+    assert all(s["finish_reason"] and s["text"] and s["question"] for s in samples)
+    for r, first in zip(rows, (0, 10)):
         mine = [s for s in samples if s["benchmark"] == r["benchmark"]]
         assert r["samples"] == len(mine) == 4 * r["problems"]
+        assert all(s["gold"] == json.loads(lines[first + s["problem"]])["answer"] for s in mine), \
+            "samples must map back to their own problem"
         assert math.isclose(r["avg_pass@1"], sum(s["reward"] for s in mine) / len(mine)), "avg pass@1 must be the mean reward"
         assert r["avg_pass@1"] <= r["pass@2"] <= r["pass@4"] <= 1.0, "pass@k must grow with k"
+        solved_any = len({s["problem"] for s in mine if s["reward"] == 1.0})
+        assert math.isclose(r["pass@4"], solved_any / r["problems"]), "pass@n must be the share solved at least once"
         assert math.isclose(r["response_tokens"], sum(s["response_tokens"] for s in mine) / len(mine))
         assert math.isclose(r["truncated"], sum(s["finish_reason"] == "length" for s in mine) / len(mine))
-    assert all(s["gold"] == problems[(10 if s["benchmark"] == "toy2" else 0) + s["problem"]]["answer"] for s in samples), \
-        "samples must map back to their own problem"
+        assert math.isclose(r["tool_use_rate"], sum(s["tool_calls"] > 0 for s in mine) / len(mine))
     assert sum(s["reward"] for s in samples) > 0, "the SFT'd toy model should solve some problems"
     assert sum(s["tool_calls"] for s in samples) > 0, "the SFT'd toy model should call the tool"
+    saved = json.loads((out / "table.json").read_text())
+    assert saved["table"] == rows and saved["config"]["n"] == 4
+    assert [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()] == samples
+    assert json.loads((out / "eval_config.json").read_text())["max_turns"] == 10
+
+    # the stage-3 filter through the CLI: original fields kept, exactly the problems below K/K
+    train = [{**json.loads(x), "id": f"p{i}"} for i, x in enumerate(lines[:8])]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in train))
+    _, graded_samples = main(["--model", str(toy_sft_model), "--filter-solved", "2", "--data", str(tmp_path / "train.jsonl"),
+                              "--out", str(tmp_path / "hard.jsonl"), "--max-response", "512"], llm=toy_engine)
+    hard = [json.loads(x) for x in (tmp_path / "hard.jsonl").read_text().splitlines()]
+    assert len(graded_samples) == 16 and hard == select_unsolved(train, graded_samples, 2)
+    assert f"removed {8 - len(hard)} of 8" in capsys.readouterr().out
