@@ -159,7 +159,7 @@ def group_advantages(rewards) -> torch.Tensor:
 # (7)-(8) the clipped token-level policy loss
 
 def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
-                eps_low=0.2, eps_high=0.28):
+                eps_low=0.2, eps_high=0.28, token_weights=None):
     """PPO-clip with Clip-Higher, summed over masked-in tokens / n_loss_tokens.
 
     logp (B, T) carries the gradient; old_logp (B, T) is the behaviour policy;
@@ -169,7 +169,8 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
     are floats, each a masked sum / n_loss_tokens (8):
     clip_frac_low (A < 0 and ratio < 1 - eps_low: clipped, no gradient),
     clip_frac_high (A > 0 and ratio > 1 + eps_high), ratio_mean, and approx_kl
-    (k3 estimate of KL(old || new): ratio - 1 - log ratio).
+    (k3 estimate of KL(old || new): ratio - 1 - log ratio). token_weights (B, T),
+    optional, scale each token's term (train.py's truncated importance sampling).
     """
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
@@ -180,6 +181,8 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
     unclipped = ratio * adv                                                # (B, T)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv      # (B, T)
     per_token = -torch.minimum(unclipped, clipped)                         # (B, T)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()                     # (B, T)
     loss = (per_token * loss_mask).sum() / n_loss_tokens                   # (7)
 
     with torch.no_grad():

@@ -329,8 +329,11 @@ def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: 
                   gpu_memory_utilization=memory_fraction)  # on CPU: the share of RAM for vLLM
     if torch.cuda.is_available():
         kwargs.update(dtype="bfloat16", enable_sleep_mode=True)
-    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up
-        kwargs.update(dtype="float32", enforce_eager=True)
+    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt
+        # split by chunked prefill makes vllm 0.32 rewind the request's seeded generator, which
+        # CPU generators cannot do ("CPU Generator does not use offset"): prefill prompts whole.
+        kwargs.update(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(max_model_len, 8192))
     if external_launcher:  # under torchrun: one engine per rank, inside the ranks' process group
         kwargs["distributed_executor_backend"] = "external_launcher"
     return LLM(**kwargs)
