@@ -21,6 +21,8 @@ This driver fixes all three:
 
 Same turn logic, same per-turn seeds as the lockstep driver: the same inputs give the same
 trajectories, up to vLLM's numerics changing with batch composition (see tests).
+
+    python scheduler.py --bench [--model DIR]    # lockstep vs scheduler, one engine (see bench())
 """
 import queue
 import statistics
@@ -154,3 +156,91 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
         trajs, wall_seconds=time.perf_counter() - t_start, gen_seconds=gen_s, idle_seconds=idle_s,
         peak_admitted=peak, kv_utilisation=kv_sum / max(steps, 1),
         straggler_seconds=finished_at[-1] - statistics.median(finished_at) if finished_at else 0.0)
+
+
+# -----------------------------------------------------------------------------
+# The benchmark
+
+def bench():
+    """Lockstep vs scheduler on one engine, the same problems and the same scripted workload.
+
+    The model's habits are taken out of the measurement: each turn's length is forced (min_tokens =
+    max_tokens = L, ignore_eos, the per-turn seed) and the script, not the text, decides whether a
+    turn ends in a tool call, whose code is `time.sleep(x)`. Each trajectory draws 1-6 turns (a
+    geometric tail), each turn's length from a log-normal (median 12 tokens, at most 160) and each
+    tool latency from a log-normal (median 0.08 s, at most 2 s). As in the paper (§3.2), most
+    trajectories are short and a few run 10-20x the median, so the turn-synchronous driver waits
+    for the slowest turn and the slowest tool call of every turn. The default model is the
+    untrained toy model: with forced lengths any model measures the same thing."""
+    import argparse, math, os, random, subprocess, sys, tempfile
+    p = argparse.ArgumentParser(description="Benchmark the scheduler against rollout.rollout_lockstep.")
+    p.add_argument("--bench", action="store_true", help="run the benchmark")
+    p.add_argument("--model", help="model folder (default: build the untrained toy model in a temp folder)")
+    p.add_argument("--problems", type=int, default=16, help="problems in the batch")
+    p.add_argument("--samples", type=int, default=4, help="rollouts per problem")
+    p.add_argument("--seed", type=int, default=0, help="the workload is a function of this")
+    args = p.parse_args()
+    if not args.bench:
+        p.error("nothing to do\n---> HINT: python scheduler.py --bench")
+    # A shared CPU: vLLM's default of one OpenMP thread pinned to each core makes every step wait
+    # for the busiest core (5-10x slower steps here); one unpinned thread suits a tiny model.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from rollout import kv_capacity_tokens, make_engine, rollout_lockstep
+    from sandbox import Sandbox
+    from vllm import SamplingParams
+    if args.model is None:
+        out = tempfile.mkdtemp(prefix="scheduler-bench-")
+        subprocess.run([sys.executable, "data/prepare_toy.py", "--out", out, "--n-train", "50", "--n-test",
+                        "20", "--n-sft", "200"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                       check=True, stdout=subprocess.DEVNULL)
+        args.model = os.path.join(out, "init_model")
+    rng, max_len = random.Random(args.seed), 1024
+    problems = [{"question": f"What is {i} * 7?", "answer": str(7 * i)} for i in range(args.problems)]
+    plan = {(i, s): [(min(round(rng.lognormvariate(math.log(12), 1.1)) + 1, 160),  # (turn length,
+                      min(rng.lognormvariate(math.log(0.08), 1.2), 2.0))           #  then tool seconds)
+                     for _ in range(min(1 + int(rng.expovariate(0.6)), 6))]
+            for i in range(args.problems) for s in range(args.samples)}
+
+    def sampling(t, cfg, tokenizer):
+        n = min(plan[t.index, t.sample][t.num_turns][0], cfg.max_response - len(t.response_ids))
+        return SamplingParams(seed=hash((cfg.seed, t.index, t.sample, t.num_turns)) % 2**31, logprobs=0,
+                              min_tokens=n, max_tokens=n, ignore_eos=True)
+
+    def on_turn(t, ids, logprobs, tokenizer, cfg):      # end_turn's bookkeeping, the script's verdict
+        t.response_ids += ids
+        t.loss_mask += [1] * len(ids)
+        t.logprobs += logprobs
+        t.num_turns += 1
+        turns = plan[t.index, t.sample]
+        if t.num_turns == len(turns) or len(t.response_ids) >= cfg.max_response:
+            t.finish_reason = "no_tool_call" if t.num_turns == len(turns) else "length"
+            return None
+        t.tool_calls += 1
+        return f"import time; time.sleep({turns[t.num_turns - 1][1]:.3f})", ""
+
+    tokens = sorted(sum(n for n, _ in turns) for turns in plan.values())
+    print(f"workload: {len(plan)} trajectories, {sum(map(len, plan.values()))} turns, sampled tokens "
+          f"per trajectory median {statistics.median(tokens):.0f}, max {tokens[-1]}")
+    with Sandbox(workers=8, timeout=10.0) as sandbox:
+        llm = make_engine(args.model, max_model_len=max_len, memory_fraction=0.12)
+        tok, walls, kv = llm.get_tokenizer(), {}, kv_capacity_tokens(llm)
+        cfg = RolloutConfig(max_response=max_len - max(len(t.prompt_ids) for t in start_trajectories(tok, problems, 1)))
+        print(f"engine: {kv} KV-cache tokens, room for {kv // max_len} trajectories of {max_len} tokens")
+        llm.generate([{"prompt_token_ids": [0] * 8}], use_tqdm=False)    # warm-up
+        for name in ("lockstep", "scheduler"):
+            llm.reset_prefix_cache()                     # neither run reuses the other's prompts
+            if name == "lockstep":
+                trajs, st = rollout_lockstep(llm, tok, sandbox, problems, args.samples, cfg,
+                                             sampling=sampling, on_turn=on_turn)
+            else:
+                trajs, st = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.samples, cfg,
+                                              kv, sampling=sampling, on_turn=on_turn)
+            walls[name] = wall = st["wall_seconds"]
+            print(f"{name:9s}: wall {wall:5.1f} s, {st['generated_tokens']} tokens, {st['tool_calls']} tool "
+                  f"calls, {st['generated_tokens'] / wall:4.0f} tokens/s, engine idle {1 - st['gen_seconds'] / wall:3.0%}")
+    print(f"scheduler speedup vs lockstep: {walls['lockstep'] / walls['scheduler']:.2f}")
+
+
+if __name__ == "__main__":
+    bench()

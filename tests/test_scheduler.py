@@ -127,3 +127,79 @@ def test_scheduler_equals_lockstep_under_greedy_decoding(toy_engine, sandbox, to
                (b.num_turns, b.tool_calls, b.tool_failures, b.num_answers, b.answer, b.reward, b.finish_reason)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     assert stats["peak_admitted"] >= 2 and 0 < stats["kv_utilisation"] <= 1
+
+
+# -- two ranks, one queue -------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_ranks_share_one_queue_and_the_fast_rank_pulls_more(toy_world, tmp_path):
+    """torchrun, two ranks, each with its own engine (external launcher) and sandbox; rank 1's tool
+    calls take 3 s, rank 0's none. Each rank's KV budget holds one problem at a time, so a rank
+    pulls a new problem only when its last one is done: rank 0 must take more of them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), VLLM_CPU_OMP_THREADS_BIND="nobind")  # 2 ranks, 2 cores
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__,
+                    str(toy_world / "init_model"), str(tmp_path)], cwd=root, env=env, check=True, timeout=900)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["batch"] == ranks[1]["batch"], "every rank must return the same gathered batch"
+    assert [tuple(x[:2]) for x in ranks[0]["batch"]] == [(i, s) for i in range(8) for s in range(2)], \
+        "the batch must hold every problem's rollouts once, in problem order"
+    fast, slow = ranks[0]["handled"], ranks[1]["handled"]
+    assert not set(fast) & set(slow) and sorted(fast + slow) == list(range(8)), \
+        f"each problem must be pulled by exactly one rank; rank 0 took {fast}, rank 1 {slow}"
+    assert len(fast) > len(slow), f"the rank with fast tools must pull more problems: {fast} vs {slow}"
+    assert all(x[2] == 2 and x[3] == 1 for x in ranks[0]["batch"]), "two turns and one tool call each"
+
+
+def _rank_main(model: str, out: str):
+    """One rank of the test above (run by torchrun)."""
+    import torch.distributed as dist
+    from vllm import SamplingParams
+    from rollout import make_engine, start_trajectories
+    from sandbox import Sandbox
+    from scheduler import SharedCounter
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    llm = make_engine(model, max_model_len=512, memory_fraction=0.05, external_launcher=True)
+    tok, cfg, handled = llm.get_tokenizer(), RolloutConfig(max_response=64), set()
+    problems = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
+
+    def sampling(t, cfg, tokenizer):                       # four tokens a turn, whatever the model says
+        return SamplingParams(min_tokens=4, max_tokens=4, ignore_eos=True, logprobs=0,
+                              seed=hash((t.index, t.sample, t.num_turns)) % 2**31)
+
+    def on_turn(t, ids, logprobs, tokenizer, cfg):         # a tool call, then the end
+        handled.add(t.index)
+        t.response_ids += ids
+        t.loss_mask += [1] * len(ids)
+        t.logprobs += logprobs
+        t.num_turns += 1
+        if t.num_turns == 2:
+            t.finish_reason = "no_tool_call"
+            return None
+        t.tool_calls += 1
+        return f"import time; time.sleep({3.0 if rank == 1 else 0.0})", ""
+
+    one_problem = 2 * (max(len(t.prompt_ids) for t in start_trajectories(tok, problems, 1)) + cfg.max_response)
+    with Sandbox(workers=1, timeout=10.0) as sandbox:
+        dist.barrier()                                     # start pulling together
+        trajs, _ = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, 2, cfg, kv_tokens=one_problem,
+                                     counter=SharedCounter("two-ranks", distributed=True),
+                                     sampling=sampling, on_turn=on_turn)
+    batch = [(t.index, t.sample, t.num_turns, t.tool_calls, t.response_ids) for t in trajs]
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"batch": batch, "handled": sorted(handled)}, f)
+    # vLLM 0.32 has no LLM.shutdown: the in-process engine core's shutdown frees the engine and
+    # also tears down torch.distributed's default group (cleanup_dist_env_and_memory).
+    llm.llm_engine.engine_core.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+    _rank_main(*sys.argv[1:])
