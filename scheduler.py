@@ -169,21 +169,22 @@ def bench():
     turn ends in a tool call, whose code is `time.sleep(x)`. Each trajectory draws 1-6 turns (a
     geometric tail), each turn's length from a log-normal (median 12 tokens, at most 160) and each
     tool latency from a log-normal (median 0.08 s, at most 2 s). As in the paper (§3.2), most
-    trajectories are short and a few run 10-20x the median, so the turn-synchronous driver waits
-    for the slowest turn and the slowest tool call of every turn. The default model is the
-    untrained toy model: with forced lengths any model measures the same thing."""
+    trajectories are short and a few are long (the longest samples ~7x the median's tokens; the
+    slowest tool call over 20x the median), so the turn-synchronous driver waits for the slowest
+    turn and the slowest tool call at every turn. The default model is the untrained toy model:
+    with forced lengths any model measures the same thing."""
     import argparse, math, os, random, subprocess, sys, tempfile
     p = argparse.ArgumentParser(description="Benchmark the scheduler against rollout.rollout_lockstep.")
     p.add_argument("--bench", action="store_true", help="run the benchmark")
     p.add_argument("--model", help="model folder (default: build the untrained toy model in a temp folder)")
-    p.add_argument("--problems", type=int, default=16, help="problems in the batch")
+    p.add_argument("--problems", type=int, default=32, help="problems in the batch")
     p.add_argument("--samples", type=int, default=4, help="rollouts per problem")
     p.add_argument("--seed", type=int, default=0, help="the workload is a function of this")
     args = p.parse_args()
     if not args.bench:
         p.error("nothing to do\n---> HINT: python scheduler.py --bench")
     # A shared CPU: vLLM's default of one OpenMP thread pinned to each core makes every step wait
-    # for the busiest core (5-10x slower steps here); one unpinned thread suits a tiny model.
+    # for the busiest core (steps several times slower); one unpinned thread suits a tiny model.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from rollout import kv_capacity_tokens, make_engine, rollout_lockstep
@@ -220,8 +221,10 @@ def bench():
         return f"import time; time.sleep({turns[t.num_turns - 1][1]:.3f})", ""
 
     tokens = sorted(sum(n for n, _ in turns) for turns in plan.values())
-    print(f"workload: {len(plan)} trajectories, {sum(map(len, plan.values()))} turns, sampled tokens "
-          f"per trajectory median {statistics.median(tokens):.0f}, max {tokens[-1]}")
+    tools = sorted(x for turns in plan.values() for _, x in turns[:-1])
+    print(f"workload: {len(plan)} trajectories, {len(tools)} tool calls (seconds: median "
+          f"{statistics.median(tools):.2f}, max {tools[-1]:.2f}), sampled tokens per trajectory: "
+          f"median {statistics.median(tokens):.0f}, max {tokens[-1]}")
     with Sandbox(workers=8, timeout=10.0) as sandbox:
         llm = make_engine(args.model, max_model_len=max_len, memory_fraction=0.12)
         tok, walls, kv = llm.get_tokenizer(), {}, kv_capacity_tokens(llm)

@@ -134,7 +134,7 @@ def test_scheduler_equals_lockstep_under_greedy_decoding(toy_engine, sandbox, to
 @pytest.mark.slow
 def test_two_ranks_share_one_queue_and_the_fast_rank_pulls_more(toy_world, tmp_path):
     """torchrun, two ranks, each with its own engine (external launcher) and sandbox; rank 1's tool
-    calls take 3 s, rank 0's none. Each rank's KV budget holds one problem at a time, so a rank
+    calls take 5 s, rank 0's none. Each rank's KV budget holds one problem at a time, so a rank
     pulls a new problem only when its last one is done: rank 0 must take more of them."""
     import os
     import subprocess
@@ -182,7 +182,7 @@ def _rank_main(model: str, out: str):
             t.finish_reason = "no_tool_call"
             return None
         t.tool_calls += 1
-        return f"import time; time.sleep({3.0 if rank == 1 else 0.0})", ""
+        return f"import time; time.sleep({5.0 if rank == 1 else 0.0})", ""
 
     one_problem = 2 * (max(len(t.prompt_ids) for t in start_trajectories(tok, problems, 1)) + cfg.max_response)
     with Sandbox(workers=1, timeout=10.0) as sandbox:
