@@ -24,6 +24,7 @@ trajectories, up to vLLM's numerics changing with batch composition (see tests).
 
     python scheduler.py --bench [--model DIR]    # lockstep vs scheduler, one engine (see bench())
 """
+import itertools
 import queue
 import statistics
 import time
@@ -46,20 +47,19 @@ class SharedCounter:
 
     def __init__(self, key: str = "", distributed: bool = False):
         self.store = _default_store() if distributed else None
-        self.key, self.n = f"rollout-counter/{key}", 0
+        self.key, self.local = f"rollout-counter/{key}", itertools.count()
 
     def next(self) -> int:
-        if self.store is None:
-            self.n += 1
-            return self.n - 1
-        return self.store.add(self.key, 1) - 1
+        return next(self.local) if self.store is None else self.store.add(self.key, 1) - 1
 
 
 def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
                       kv_tokens: int, overcommit: float = 1.0, counter: SharedCounter | None = None,
                       sampling=sampling_params, on_turn=end_turn):
     """Roll out n samples of every problem this rank pulls. Returns (trajectories, stats); with a
-    distributed counter the trajectories are those of all ranks, in problem order.
+    distributed counter the trajectories are those of all ranks, in problem order. Under torchrun
+    every rank calls this with the same problems and a SharedCounter(key, distributed=True) whose
+    key is new for the batch; stats' seconds are this rank's, its counts the whole batch's.
 
     engine: a vLLM LLMEngine (llm.llm_engine) or anything with add_request / step /
     has_unfinished_requests. kv_tokens: its KV-cache capacity (rollout.kv_capacity_tokens).
@@ -175,14 +175,12 @@ def bench():
     with forced lengths any model measures the same thing."""
     import argparse, math, os, random, subprocess, sys, tempfile
     p = argparse.ArgumentParser(description="Benchmark the scheduler against rollout.rollout_lockstep.")
-    p.add_argument("--bench", action="store_true", help="run the benchmark")
+    p.add_argument("--bench", action="store_true", required=True, help="run the benchmark")
     p.add_argument("--model", help="model folder (default: build the untrained toy model in a temp folder)")
     p.add_argument("--problems", type=int, default=32, help="problems in the batch")
     p.add_argument("--samples", type=int, default=4, help="rollouts per problem")
     p.add_argument("--seed", type=int, default=0, help="the workload is a function of this")
     args = p.parse_args()
-    if not args.bench:
-        p.error("nothing to do\n---> HINT: python scheduler.py --bench")
     # A shared CPU: vLLM's default of one OpenMP thread pinned to each core makes every step wait
     # for the busiest core (steps several times slower); one unpinned thread suits a tiny model.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -228,17 +226,18 @@ def bench():
     with Sandbox(workers=8, timeout=10.0) as sandbox:
         llm = make_engine(args.model, max_model_len=max_len, memory_fraction=0.12)
         tok, walls, kv = llm.get_tokenizer(), {}, kv_capacity_tokens(llm)
-        cfg = RolloutConfig(max_response=max_len - max(len(t.prompt_ids) for t in start_trajectories(tok, problems, 1)))
+        longest_prompt = max(len(t.prompt_ids) for t in start_trajectories(tok, problems, 1))
+        cfg = RolloutConfig(max_response=max_len - longest_prompt)        # one trajectory fills max_len
         print(f"engine: {kv} KV-cache tokens, room for {kv // max_len} trajectories of {max_len} tokens")
         llm.generate([{"prompt_token_ids": [0] * 8}], use_tqdm=False)    # warm-up
         for name in ("lockstep", "scheduler"):
             llm.reset_prefix_cache()                     # neither run reuses the other's prompts
             if name == "lockstep":
-                trajs, st = rollout_lockstep(llm, tok, sandbox, problems, args.samples, cfg,
-                                             sampling=sampling, on_turn=on_turn)
+                _, st = rollout_lockstep(llm, tok, sandbox, problems, args.samples, cfg,
+                                          sampling=sampling, on_turn=on_turn)
             else:
-                trajs, st = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.samples, cfg,
-                                              kv, sampling=sampling, on_turn=on_turn)
+                _, st = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.samples, cfg,
+                                           kv, sampling=sampling, on_turn=on_turn)
             walls[name] = wall = st["wall_seconds"]
             print(f"{name:9s}: wall {wall:5.1f} s, {st['generated_tokens']} tokens, {st['tool_calls']} tool "
                   f"calls, {st['generated_tokens'] / wall:4.0f} tokens/s, engine idle {1 - st['gen_seconds'] / wall:3.0%}")
