@@ -99,6 +99,9 @@ if pre.preset:
     parser.set_defaults(**PRESETS[pre.preset])
 args = parser.parse_args()
 config = vars(args)
+if not os.path.exists(args.data):
+    raise SystemExit(f"{args.data}: no such data file\n---> HINT: `python data/prepare_rl.py` writes data/rl.jsonl "
+                     f"(stage 3: `python eval.py --filter-solved 8`; toy: `python data/prepare_toy.py`)")
 
 # -----------------------------------------------------------------------------
 # Compute: torchrun's environment or one process; NCCL on GPUs, gloo on CPUs.
@@ -143,9 +146,6 @@ sleep(llm)
 # -----------------------------------------------------------------------------
 # Data: {"question", "answer"} problems, a fresh seeded order each epoch.
 
-if not os.path.exists(args.data):
-    raise SystemExit(f"{args.data}: no such data file\n---> HINT: `python data/prepare_rl.py` writes data/rl.jsonl "
-                     f"(stage 3: `python eval.py --filter-solved 8`; toy: `python data/prepare_toy.py`)")
 problems = []
 with open(args.data) as f:
     for n_line, line in enumerate(f, 1):
