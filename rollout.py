@@ -47,29 +47,17 @@ class Trajectory:
 
 TOOL_NAME = "execute_python_code_with_standard_io"
 
-_TOOL_SPEC = {
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": "Execute Python code with standard input and capture standard output. "
-                       "The code runs as a script; the input string is given to it on stdin, and "
-                       "whatever it prints to stdout is returned. If the code raises an error, the "
-                       "error message is returned instead.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "code": {"type": "string", "description": "The Python code to run."},
-                "input": {"type": "string", "description": "The text given to the code on standard input."},
-            },
-            "required": ["code", "input"],
-        },
-        "return": {
-            "type": "string",
-            "description": "str: The output produced by the executed code through standard output. "
-                           "If an error occurs during execution, the error message will be returned.",
-        },
-    },
-}
+_TOOL_SPEC = {"type": "function", "function": {
+    "name": TOOL_NAME,
+    "description": "Execute Python code with standard input and capture standard output. The code runs as a "
+                   "script; the input string is given to it on stdin, and whatever it prints to stdout is "
+                   "returned. If the code raises an error, the error message is returned instead.",
+    "parameters": {"type": "object", "properties": {
+        "code": {"type": "string", "description": "The Python code to run."},
+        "input": {"type": "string", "description": "The text given to the code on standard input."}},
+        "required": ["code", "input"]},
+    "return": {"type": "string", "description": "str: The output produced by the executed code through standard "
+               "output. If an error occurs during execution, the error message will be returned."}}}
 
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
@@ -292,18 +280,13 @@ def _verify_in_process(answer: str, gold: str) -> bool:
 
 
 def is_correct(answer: str | None, gold: str, sandbox=None) -> bool:
-    """Reward check: an exact fast path for plain numbers, else math-verify in the sandbox's
-    workers (under their hard timeout)."""
-    fast = _fast_grade(answer, gold)
-    if fast is not None:
-        return fast
-    if sandbox is None:
-        return _verify_in_process(answer, gold)
-    return bool(sandbox.submit_verify(answer, gold).result())
+    """Reward check for one answer: see grade()."""
+    return grade([answer], [gold], sandbox)[0] == 1.0
 
 
 def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[float]:
-    """Rewards for a batch: the fast path where it decides, one sandbox batch for the rest."""
+    """Rewards for a batch: an exact fast path for plain numbers, and math-verify for the rest in
+    one batch in the sandbox's workers (under their hard timeout)."""
     rewards = [None if (f := _fast_grade(a, g)) is None else float(f) for a, g in zip(answers, golds)]
     slow = [i for i, r in enumerate(rewards) if r is None]
     if slow:
@@ -346,18 +329,15 @@ def sync_weights(llm, named_tensors) -> None:
     llm.reset_prefix_cache()
 
 
-def _sleep_mode(llm) -> bool:
-    return llm.llm_engine.vllm_config.model_config.enable_sleep_mode  # GPU only in vllm 0.32
-
-
 def sleep(llm) -> None:
-    """Free the engine's GPU memory for training (level 1: weights to host RAM, KV cache freed)."""
-    if _sleep_mode(llm):
+    """Free the engine's GPU memory for training (level 1: weights to host RAM, KV cache dropped).
+    A no-op where vllm 0.32 has no sleep mode (CPU)."""
+    if llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
         llm.sleep(level=1)
 
 
 def wake(llm) -> None:
-    if _sleep_mode(llm):
+    if llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
         llm.wake_up()
 
 
