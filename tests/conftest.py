@@ -1,7 +1,8 @@
 """Shared fixtures: the toy world, the SFT'd toy model, one vLLM engine and one sandbox per session.
 
 The SFT'd toy model takes minutes to train on a CPU, so it is built once per machine and cached
-under ~/.cache/rstar2-agent (RSTAR2_TEST_CACHE overrides), keyed by the code that makes it."""
+under ~/.cache/rstar2-agent (RSTAR2_TEST_CACHE overrides), keyed by the code that makes it.
+RSTAR2_TOY_WORLD and RSTAR2_TOY_MODEL point the tests at an existing toy world / SFT'd model."""
 import fcntl
 import hashlib
 import os
@@ -44,12 +45,16 @@ def _cached(name: str, key_files: list[str], build) -> Path:
 @pytest.fixture(scope="session")
 def toy_world() -> Path:
     """data/prepare_toy.py's output: train/test problems, sft.jsonl, init_model/."""
+    if os.environ.get("RSTAR2_TOY_WORLD"):
+        return Path(os.environ["RSTAR2_TOY_WORLD"])
     return _cached("toy-world", ["data/prepare_toy.py"], lambda out: _run("data/prepare_toy.py", "--out", out))
 
 
 @pytest.fixture(scope="session")
 def toy_sft_model(toy_world) -> Path:
     """The toy model after `sft.py --preset toy` (the starting point of RL)."""
+    if os.environ.get("RSTAR2_TOY_MODEL"):
+        return Path(os.environ["RSTAR2_TOY_MODEL"])
     def build(out):
         _run("sft.py", "--preset", "toy", "--model", toy_world / "init_model",
              "--data", toy_world / "sft.jsonl", "--out-dir", out)
