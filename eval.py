@@ -123,6 +123,12 @@ def select_unsolved(problems: list[dict], samples: list[dict], k: int) -> list[d
     return [p for i, p in enumerate(problems) if solved[i] < k]
 
 
+def short_names(benchmarks: list[str]) -> list[str]:
+    """Table names: a JSONL path by its file name without .jsonl, unless two would collide."""
+    names = [os.path.basename(b)[:-len(".jsonl")] if b.endswith(".jsonl") else b for b in benchmarks]
+    return names if len(set(names)) == len(names) else list(benchmarks)
+
+
 # -----------------------------------------------------------------------------
 # Rollouts (1, 3): all benchmarks in one scheduled batch, so ranks balance across all of them.
 
@@ -178,9 +184,9 @@ def main(argv=None, llm=None):
         dist.barrier()  # rank 0 loads first: it downloads what is missing
     if filtering:
         load_benchmark(args.data)  # checks that every line has a question and an answer
-        benchmarks = {args.data: [json.loads(line) for line in open(args.data, encoding="utf-8") if line.strip()]}
+        benchmarks = {short_names([args.data])[0]: [json.loads(line) for line in open(args.data, encoding="utf-8") if line.strip()]}
     else:
-        benchmarks = {name: load_benchmark(name, args.eval_dir) for name in args.benchmarks}
+        benchmarks = {name: load_benchmark(b, args.eval_dir) for name, b in zip(short_names(args.benchmarks), args.benchmarks)}
     if distributed and rank == 0:
         dist.barrier()
     if any(not probs for probs in benchmarks.values()):
