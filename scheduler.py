@@ -185,6 +185,7 @@ def bench():
     # for the busiest core (steps several times slower); one unpinned thread suits a tiny model.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from rollout import kv_capacity_tokens, make_engine, rollout_lockstep
     from sandbox import Sandbox
     from vllm import SamplingParams
