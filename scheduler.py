@@ -190,11 +190,11 @@ def bench():
     from sandbox import Sandbox
     from vllm import SamplingParams
     if args.model is None:
-        out = tempfile.mkdtemp(prefix="scheduler-bench-")
-        subprocess.run([sys.executable, "data/prepare_toy.py", "--out", out, "--n-train", "50", "--n-test",
+        tmp = tempfile.TemporaryDirectory(prefix="scheduler-bench-")     # removed when the bench ends
+        subprocess.run([sys.executable, "data/prepare_toy.py", "--out", tmp.name, "--n-train", "50", "--n-test",
                         "20", "--n-sft", "200"], cwd=os.path.dirname(os.path.abspath(__file__)),
                        check=True, stdout=subprocess.DEVNULL)
-        args.model = os.path.join(out, "init_model")
+        args.model = os.path.join(tmp.name, "init_model")
     rng, max_len = random.Random(args.seed), 1024
     problems = [{"question": f"What is {i} * 7?", "answer": str(7 * i)} for i in range(args.problems)]
     plan = {(i, s): [(min(round(rng.lognormvariate(math.log(12), 1.1)) + 1, 160),  # (turn length,
