@@ -459,13 +459,14 @@ def batch_stats(trajs: list[Trajectory], **seconds) -> dict:
 # The reference driver: turn-synchronous, as most RL codebases do it. scheduler.py has the fast one.
 
 def rollout_lockstep(llm, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
-                     sampling=None, on_turn=None):
+                     sampling=None, on_turn=None, offset: int = 0):
     """Every active trajectory generates turn k, then all turn-k tool calls run as one sandbox
     batch, then turn k+1. Returns (trajectories, stats). `sampling` and `on_turn` default to
-    sampling_params and end_turn; benchmarks and tests replace them to script a workload."""
+    sampling_params and end_turn; benchmarks and tests replace them to script a workload.
+    Problems are numbered from `offset` (their index in the whole batch: it seeds the sampling)."""
     sampling, on_turn = sampling or sampling_params, on_turn or end_turn
     from tqdm import tqdm
-    trajs, t_start = start_trajectories(tokenizer, problems, n), time.perf_counter()
+    trajs, t_start = start_trajectories(tokenizer, problems, n, offset), time.perf_counter()
     active, gen_s, tool_s = list(trajs), 0.0, 0.0
     with tqdm(total=len(trajs), desc="rollouts", unit="traj", leave=False) as bar:
         while active:

@@ -259,11 +259,9 @@ for step in range(start_step, args.steps):
                                           cfg, kv_tokens, args.kv_overcommit, counter)
         row["tool_wait_seconds"] = rstats["idle_seconds"]
     else:  # a fixed split; deterministic, for tests and comparisons
-        mine = list(range(rank, len(batch), world_size))
-        trajs, rstats = rollout_lockstep(llm, tokenizer, sandbox, [batch[i] for i in mine],
-                                         args.rollouts_per_problem, cfg)
-        for t in trajs:
-            t.index = mine[t.index]
+        share = len(batch) // world_size
+        trajs, rstats = rollout_lockstep(llm, tokenizer, sandbox, batch[rank * share:(rank + 1) * share],
+                                         args.rollouts_per_problem, cfg, offset=rank * share)
         if world_size > 1:
             parts = [None] * world_size
             dist.all_gather_object(parts, trajs)
