@@ -34,7 +34,7 @@ from rollout import render_messages
 
 PRESETS = {
     "toy": dict(model="data/toy/init_model", data="data/toy/sft.jsonl", out_dir="runs/toy_sft",
-                lr=3e-3, batch_size=32, epochs=4, max_len=1024, micro_batch_tokens=8192,
+                lr=3e-3, batch_size=32, epochs=5, max_len=1024, micro_batch_tokens=1200,
                 grad_checkpointing=0),
 }
 

@@ -4,12 +4,12 @@
     python data/prepare_toy.py --out /tmp/toy --seed 1
 
 What it writes, deterministically from --seed, into --out:
-1. train.jsonl / test.jsonl: {"question", "answer"} problems with integer answers, no overlap.
-   Most are hard (products of multi-digit numbers, long sums and differences, a two-step
-   (a + b) * c); some are easy (one-digit sums and products) that a tiny model can learn by heart.
+1. train.jsonl / test.jsonl: {"question", "answer"} problems with integer answers, no overlap:
+   "What is 4578 * 9268?", "What is 7634 + 5969?", "What is 7890 - 1663?" (4-digit operands),
+   hopeless in the head of a model of a million parameters, one print() away with the tool.
 2. sft.jsonl: {"messages": [...]} conversations in the rollout's format, deliberately imperfect so
    that RL has something to fix: on about half of the problems the assistant answers directly
-   (right on easy problems, a near miss on hard ones), and about one tool call in four fails
+   (always wrong: a near miss), and about one tool call in four fails
    first (an undefined name or an unclosed parenthesis) and is fixed in the next turn. Tool
    outputs are what the sandbox returns for that code, shown through format_tool_response.
 3. init_model/: a byte-level BPE tokenizer trained on that corpus (digits split one by one so that
@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rollout import (IM_END, IM_START, SYSTEM_PROMPT, USER_PREFIX, format_tool_response,  # noqa: E402
+from rollout import (IM_END, IM_START, SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, format_tool_response,  # noqa: E402
                      render_assistant_turn, render_prompt, render_tool_turn)
 
 # -----------------------------------------------------------------------------
@@ -38,8 +38,8 @@ parser.add_argument("--n-train", type=int, default=4000, help="RL training probl
 parser.add_argument("--n-test", type=int, default=200, help="held-out problems (no overlap with train or SFT)")
 parser.add_argument("--n-sft", type=int, default=4000, help="SFT conversations (their problems are disjoint from train and test)")
 parser.add_argument("--digits", type=int, default=4, help="digits of each operand of a hard problem")
-parser.add_argument("--mix", type=float, nargs=4, default=[4, 2, 2, 0], help="weights of a*b, a+b, a-b, (a+b)*c among hard problems")
-parser.add_argument("--easy-share", type=float, default=0.2, help="share of one-digit problems")
+parser.add_argument("--mix", type=float, nargs=3, default=[2, 1, 1], help="weights of a*b, a+b, a-b among hard problems")
+parser.add_argument("--easy-share", type=float, default=0.0, help="share of one-digit problems (see make_problem)")
 parser.add_argument("--tool-share", type=float, default=0.5, help="share of SFT conversations that use the tool")
 parser.add_argument("--tool-share-easy", type=float, default=0.3, help="the same on easy problems")
 parser.add_argument("--error-share", type=float, default=0.25, help="share of SFT tool uses whose first call fails")
@@ -56,22 +56,30 @@ args = parser.parse_args()
 rng = random.Random(args.seed)
 
 
+def value(expr):  # the expressions are integer arithmetic on literals: evaluating them is safe
+    return eval(expr, {"__builtins__": {}})
+
+
 def number(digits):
     return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 
 
 def make_problem():
+    """A question's expression and its level. Hard: d-digit operands with a result of fixed width
+    per operation (2d digits for a*b, d + 1 for a+b, d for a-b), because a tiny model learns to
+    copy a number of a known width far sooner than one of any width (measured after 600 SFT
+    steps, sampling at temperature 1: 45% of tool-using answers right with free widths, 98% with
+    fixed ones). Easy (off by default): one-digit sums and products; measured, a tiny model
+    neither learns them by heart in 600 steps nor copies their shorter operands."""
     if rng.random() < args.easy_share:
         return f"{rng.randint(0, 9)} {rng.choice('+*')} {rng.randint(0, 9)}", "easy"
-    kind = rng.choices(["mul", "add", "sub", "two_step"], weights=args.mix)[0]
+    op = rng.choices("*+-", weights=args.mix)[0]
     d = args.digits
-    if kind == "two_step":
-        return f"({number(d - 1)} + {number(d - 1)}) * {number(d - 2)}", "hard"
-    return f"{number(d)} {dict(mul='*', add='+', sub='-')[kind]} {number(d)}", "hard"
-
-
-def value(expr):  # the expressions are integer arithmetic on literals: evaluating them is safe
-    return eval(expr, {"__builtins__": {}})
+    width = {"*": 2 * d, "+": d + 1, "-": d}[op]
+    while True:
+        expr = f"{number(d)} {op} {number(d)}"
+        if len(str(value(expr))) == width:
+            return expr, "hard"
 
 
 problems, seen = [], set()
@@ -183,6 +191,9 @@ def pieces(msgs):
 corpus = [piece for m in conversations for piece in pieces(m)]
 corpus += [render_prompt(p["question"]) for p in train]
 tok = Tokenizer(models.BPE())
+# Digits one by one; no split at spaces (use_regex=False), so merges may span words and the
+# constant system prompt becomes 14 tokens (split at spaces and punctuation, as GPT-2 does, it
+# could not go below 331).
 tok.pre_tokenizer = pre_tokenizers.Sequence([
     pre_tokenizers.Digits(individual_digits=True),
     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -205,7 +216,7 @@ CHAT_TEMPLATE = (
     "{{ '\\n<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>' }}"
     "{%- else -%}"
     "{{ '\\n<|im_start|>assistant\\n<reason>' + m['content'] }}"
-    "{%- if m.get('tool_call') %}{{ '\\n<tool_call>\\n' + ({'name': " + json.dumps("execute_python_code_with_standard_io")
+    "{%- if m.get('tool_call') %}{{ '\\n<tool_call>\\n' + ({'name': " + json.dumps(TOOL_NAME)
     + ", 'arguments': {'code': m['tool_call']['code'], 'input': m['tool_call'].get('input', '')}} | tojson) + '\\n</tool_call>' }}{% endif -%}"
     "{{ '<|im_end|>' }}"
     "{%- endif -%}"
@@ -231,7 +242,7 @@ config = Qwen3Config(
     num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
     head_dim=head_dim, max_position_embeddings=args.max_positions, rope_theta=10000.0,
     tie_word_embeddings=False, bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    pad_token_id=tokenizer.pad_token_id, dtype="float32",
 )
 torch.manual_seed(args.seed)
 model = Qwen3ForCausalLM(config)
