@@ -19,7 +19,10 @@ CACHE = Path(os.environ.get("RSTAR2_TEST_CACHE", Path.home() / ".cache" / "rstar
 
 
 def _run(*cmd):
-    subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, check=True)
+    # One thread: on 2 shared cores, torch's default of one per core made the toy SFT 10-30x slower
+    # whenever anything else ran (spinning threads wait on each other); one thread does not mind.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, check=True, env=env)
 
 
 def _cached(name: str, key_files: list[str], build) -> Path:
