@@ -8,8 +8,7 @@ tool call and instruction following, with the loss on assistant tokens only.
 2. Conversations are rendered by rollout.render_messages: loss_mask = assistant tokens.
 3. FSDP2 per decoder layer (bf16 compute on GPU); `python sft.py` is a group of one.
 4. A step's batch is dealt across ranks, then cut into length-sorted micro-batches.
-5. Loss = token-level mean over all assistant tokens of the step's batch: each
-   micro-batch adds its loss sum over the global count, so any split gives the same gradient.
+5. Loss = mean over the step's assistant tokens (global count): any split, same gradient.
 """
 import argparse
 import copy
@@ -35,7 +34,7 @@ from rollout import render_messages
 PRESETS = {
     "toy": dict(model="data/toy/init_model", data="data/toy/sft.jsonl", out_dir="runs/toy_sft",
                 lr=3e-3, batch_size=32, epochs=5, max_len=1024, micro_batch_tokens=1200,
-                grad_checkpointing=0),
+                grad_checkpointing=0, threads=1),
 }
 
 
@@ -56,6 +55,7 @@ def get_args(argv=None):
     parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (inf: no clipping)")
     parser.add_argument("--grad-checkpointing", type=int, default=1, help="1: recompute activations in backward to save memory")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and anything random")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; a tiny model on a shared CPU wants 1)")
     if preset := parser.parse_known_args(argv)[0].preset:  # a preset replaces defaults; explicit flags still win
         parser.set_defaults(**PRESETS[preset])
     return parser.parse_args(argv)
@@ -209,6 +209,7 @@ def main(argv=None):
     rank, local_rank, world_size, device = init_distributed()
     master = rank == 0
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     if master:
         print(json.dumps(config, indent=2) + f"\nworld size {world_size}, device {device.type}")
         os.makedirs(args.out_dir, exist_ok=True)
