@@ -86,7 +86,7 @@ parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the globa
 parser.add_argument("--eps-low", type=float, default=0.2, help="PPO clip below")
 parser.add_argument("--eps-high", type=float, default=0.28, help="PPO clip above (Clip-Higher)")
 parser.add_argument("--tis-cap", type=float, default=0.0, help=">0: weight tokens by min(p_trainer / p_sampler, cap) (truncated importance sampling)")
-parser.add_argument("--micro-batch-tokens", type=int, default=32768, help="tokens per forward pass, padding included")
+parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass, padding included (the log-probs take ~10 bytes x vocabulary per token: README, memory per GPU)")
 parser.add_argument("--save-every", type=int, default=10, help="sharded checkpoint (model, optimizer, data position) every N steps")
 parser.add_argument("--export-every", type=int, default=50, help="HF-format export every N steps (and at the end)")
 parser.add_argument("--sample-every", type=int, default=10, help="write a few full trajectories to samples.txt every N steps")
