@@ -37,7 +37,7 @@ eval_dir = lambda name: "runs/demo/eval_" + {"SFT": "sft", "RL (RoC)": "rl", "RL
 if args.fresh:
     for path in ["data/toy", "runs/toy_sft", *filter(None, RUNS.values()), "runs/demo"]:
         shutil.rmtree(path, ignore_errors=True)
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the stages' own progress bars and logs are enough
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's start-up chatter; the stages print their own progress
 t_start = time.time()
 
 
