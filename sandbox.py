@@ -1,9 +1,10 @@
 """The code sandbox: a forked process pool that runs model-written Python and grades answers.
 
 Each worker slot has two long-lived processes started from a clean interpreter (never forked from
-the caller): "light", with the standard library math code uses, and "full", with numpy, sympy and
-math-verify too, warmed up. Each call runs in a fresh child forked from "full" if its code mentions
-a module only "full" has (answer checks do), else from "light", whose smaller memory forks faster.
+the caller): "light", with the standard library modules math code uses most, and "full", with more
+of the standard library, numpy, sympy and math-verify, warmed up. Each call runs in a fresh child
+forked from "full" if its code names a module only "full" has (answer checks do), else from
+"light", whose smaller memory forks faster.
 
 Guaranteed (each has an adversarial test in tests/test_sandbox.py):
   1. Nothing the code does raises in the caller: it gets an ExecResult, status ok, error (exception,
@@ -28,10 +29,13 @@ world-readable files, list /proc and burn CPU until its timeout; keyrings and PO
 of its uid outlive it. The dropped uid can import only what its worker imported (Python lives
 under /root here). Workers compile the untrusted code (never run it) before forking.
 """
-import argparse, ast, builtins, functools, itertools, json, os, queue, random, resource, select, shutil
-import signal, subprocess, sys, tempfile, threading, time, traceback, types
-from concurrent.futures import Future, ThreadPoolExecutor
+import ast, builtins, contextlib, ctypes, functools, itertools, linecache, marshal, os, random, re, resource
+import select, shutil, signal, sys, tempfile, time, traceback, types
 from dataclasses import dataclass
+
+if __name__ != "__main__" or sys.argv[1:2] != ["--worker"]:  # the caller's side only: a worker that
+    import argparse, subprocess, threading  # has not imported these forks faster
+    from concurrent.futures import ThreadPoolExecutor
 
 MAX_FILE, OOM_EXIT = 16 << 20, 101  # RLIMIT_FSIZE in bytes; the child's exit code for MemoryError
 
@@ -53,7 +57,7 @@ gold, answer = (parse("\\\\boxed{{" + s + "}}") for s in ({gold!r}, {answer!r}))
 print(bool(gold and answer and verify(gold, answer)))"""
 
 # -----------------------------------------------------------------------------
-# Caller side: a queue of jobs, one dispatcher thread per worker slot
+# Caller side: a pool of threads, one per worker slot, each talking to its slot's two workers
 
 _slots = itertools.count()  # slot numbers, unique within this process
 
@@ -62,60 +66,46 @@ class Sandbox:
     def __init__(self, workers=None, timeout=5.0, memory_mb=1024, max_output=1000):
         self.timeout, self.memory_mb, self.max_output = timeout, memory_mb, max_output
         self.isolation = {}  # {"user", "network", "filesystem"} -> bool, as the workers found
-        self._jobs, self._lock, self._procs, self._modules, self._closed = queue.SimpleQueue(), threading.Lock(), {}, {}, False
+        self._procs, self._modules, self._lock, self._closed = {}, {}, threading.Lock(), False
         self._uids = [2**30 + (os.getpid() << 8) + next(_slots) % 256 for _ in range(workers or os.cpu_count() or 1)]
+        self._slot, uids = threading.local(), iter(self._uids)  # each thread of the pool owns a slot:
+        self._pool = ThreadPoolExecutor(len(self._uids), initializer=lambda: setattr(self._slot, "uid", next(uids)))
         with ThreadPoolExecutor(2 * len(self._uids)) as ex:  # start all workers at once
-            started = list(ex.map(self._spawn, *zip(*itertools.product(self._uids, ("light", "full")))))
-        self._threads = [threading.Thread(target=self._serve, args=(uid,), daemon=True) for uid in self._uids]
-        if None in started:
-            self.close()
-            raise RuntimeError("sandbox workers failed to start (their stderr is above)\n"
-                               "---> HINT: run `python sandbox.py --worker full 0 5 1024 1000` to see why")
-        # code mentioning a module that only the full worker has (or that can import anything) runs there
-        self._heavy = sorted(self._modules["full"] - self._modules["light"]) + ["__import__", "importlib", "exec", "eval"]
-        for t in self._threads:
-            t.start()
+            if None in ex.map(self._spawn, *zip(*itertools.product(self._uids, ("light", "full")))):
+                self.close()
+                raise RuntimeError("sandbox workers failed to start (their stderr is above)\n"
+                                   "---> HINT: run `python sandbox.py --worker full 0 5 1024 1000` to see why")
+        # code naming a module that only the full worker has (or a way to import anything) runs there
+        heavy = sorted(self._modules["full"] - self._modules["light"]) + ["__import__", "importlib", "exec", "eval"]
+        self._heavy = re.compile(r"\b(?:%s)\b" % "|".join(heavy))
 
     def submit(self, code, stdin=""):
         """Run `code` with `stdin` as its standard input: a Future[ExecResult]. Thread-safe."""
-        return self._put({"code": str(code), "stdin": str(stdin)}, lambda r: r)
+        return self._pool.submit(self._execute, str(code), str(stdin))
 
     def run(self, code, stdin=""):
         return self.submit(code, stdin).result()
 
     def run_batch(self, jobs):
         """jobs: code strings or (code, stdin) pairs; returns the results in the same order."""
-        futures = [self.submit(*j) if isinstance(j, tuple) else self.submit(j) for j in jobs]
-        return [f.result() for f in futures]
+        return [f.result() for f in [self.submit(*j) if isinstance(j, tuple) else self.submit(j) for j in jobs]]
 
     def submit_verify(self, answer, gold):
         """Future[bool]: is `answer` equivalent to `gold` (math-verify)? False on timeout or crash."""
-        job = {"code": VERIFY.format(answer=str(answer), gold=str(gold)), "stdin": ""}
-        return self._put(job, lambda r: r.status == "ok" and r.stdout == "True\n")
+        code = VERIFY.format(answer=str(answer), gold=str(gold))
+        return self._pool.submit(lambda: (r := self._execute(code, "")).status == "ok" and r.stdout == "True\n")
 
     def verify_batch(self, pairs):
-        futures = [self.submit_verify(a, g) for a, g in pairs]
-        return [f.result() for f in futures]
+        return [f.result() for f in [self.submit_verify(a, g) for a, g in pairs]]
 
-    def _put(self, job, convert):
-        if self._closed:
-            raise RuntimeError("this Sandbox is closed")
-        self._jobs.put((future := Future(), job, convert))
-        return future
-
-    def _serve(self, uid):
-        while (job := self._jobs.get()) is not None:
-            future, request, convert = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            kind = "full" if any(word in request["code"] for word in self._heavy) else "light"
-            if (proc := self._procs.get((uid, kind))) is None or proc.poll() is not None:
-                proc = self._spawn(uid, kind)  # it died while idle: replace it first
-            if (reply := _ask(proc, request, self.timeout + 10, self._lock) if proc else None) is None:
-                _stop(proc, self._lock, wait=0)
-            future.set_result(convert(ExecResult(**(reply or KILLED))))
-            if reply is None:
-                self._spawn(uid, kind)  # replace the worker that died or hung
+    def _execute(self, code, stdin):  # (in a thread of the pool)
+        uid, kind = self._slot.uid, "full" if self._heavy.search(code) else "light"
+        if (proc := self._procs.get((uid, kind))) is None or proc.poll() is not None:
+            proc = self._spawn(uid, kind)  # it died while idle: replace it first (not once closed)
+        if (reply := _ask(proc, (code, stdin), self.timeout + 10, self._lock) if proc else None) is None:
+            _stop(proc, self._lock, wait=0)
+            self._spawn(uid, kind)  # replace the worker that died or hung
+        return ExecResult(**(reply or KILLED))
 
     def _spawn(self, uid, kind):
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
@@ -130,19 +120,13 @@ class Sandbox:
         return proc
 
     def close(self):
-        """Stop the workers (each kills its running call first); queued jobs return "killed"."""
+        """Stop the workers (each kills its running call first); calls not yet run return "killed"."""
         self._closed = True
-        for _ in self._threads:
-            self._jobs.put(None)
         for proc in list(self._procs.values()):
             _stop(proc, self._lock)
-        for t in filter(threading.Thread.is_alive, self._threads):
-            t.join()
+        self._pool.shutdown()
         for proc in list(self._procs.values()):  # (one may have been replaced meanwhile)
             _stop(proc, self._lock)
-        while not self._jobs.empty():
-            if (job := self._jobs.get()) is not None and job[0].set_running_or_notify_cancel():
-                job[0].set_result(job[2](ExecResult(**KILLED)))
 
     def __enter__(self):
         return self
@@ -152,15 +136,15 @@ class Sandbox:
 
 
 def _ask(proc, request, timeout, lock):
-    """Send one request (None: none) and return the reply line, or None if the worker is gone.
-    The lock stops close() from closing a worker's stdin in the middle of a write."""
+    """Send one request (None: none) and return the reply, or None if the worker is gone. Messages
+    both ways are marshal data: both sides run this same Python, and it is cheaper than JSON."""
     try:
-        with lock:
-            proc.stdin.write(b"" if request is None else json.dumps(request).encode() + b"\n")
+        with lock:  # (so that close() cannot close a worker's stdin in the middle of a write)
+            proc.stdin.write(b"" if request is None else marshal.dumps(request))
             proc.stdin.flush()
         if select.select([proc.stdout], [], [], timeout)[0]:  # a reply comes whole, or not at all
-            return json.loads(proc.stdout.readline())
-    except (OSError, ValueError):
+            return marshal.load(proc.stdout)
+    except (OSError, ValueError, EOFError):
         pass
     return None
 
@@ -179,76 +163,70 @@ def _stop(proc, lock, wait=5.0):
 # -----------------------------------------------------------------------------
 # Worker side: `python sandbox.py --worker KIND UID TIMEOUT MEMORY_MB MAX_OUTPUT`
 
-LIGHT = """math cmath fractions decimal itertools functools collections collections.abc re random string heapq
-bisect statistics operator json datetime time copy array struct numbers typing dataclasses enum textwrap pprint
-io traceback linecache hashlib base64 calendar secrets unicodedata csv socket difflib zlib _strptime encodings.idna
-encodings.utf_16 encodings.utf_32 encodings.latin_1 encodings.cp1252""".split()
-FULL = LIGHT + "numpy numpy.linalg numpy.fft numpy.polynomial numpy.random numpy.ma mpmath sympy math_verify".split()
+LIGHT = """math cmath fractions decimal itertools functools collections re random string heapq bisect statistics operator
+time copy typing numbers _strptime encodings.idna encodings.utf_16 encodings.utf_32 encodings.latin_1 encodings.cp1252""".split()
+FULL = LIGHT + """json datetime array struct dataclasses enum textwrap pprint io traceback linecache hashlib base64 calendar
+secrets unicodedata csv socket difflib zlib queue threading subprocess logging argparse numpy numpy.linalg numpy.fft
+numpy.polynomial numpy.random numpy.ma mpmath sympy math_verify""".split()
 SYMPY_ALL = """assumptions calculus combinatorics concrete core discrete functions geometry holonomic integrals logic
 matrices ntheory polys series sets simplify solvers stats tensor vector""".split()  # sympy imports lazily: all now
+# Warm-up cells, run like calls: sympy and math-verify fill caches on first use, the traceback printer too
+WARM = ["from sympy import *\nfrom math_verify import parse, verify\nx = Symbol('x')\nsolve(x**2 - 1), factorint(360)\n"
+        "simplify(sin(x)**2 + cos(x)**2), integrate(x * exp(x), x), limit(sin(x) / x, x, 0), series(cos(x), x, 0, 4)\n"
+        "verify(parse('\\\\boxed{\\\\frac{1}{2}}'), parse('\\\\boxed{0.5}'))", "x = [1]\nx[0] / 0"]
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, MS_REC, MS_PRIVATE = 0x20000, 0x8000000, 0x40000000, 0x4000, 0x40000
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, MADV_COLLAPSE = 1, 36, 38, 25
 IPC = [f"/proc/sysvipc/{k}" for k in ("shm", "sem", "msg")]
 
 
 @functools.cache
 def _libc():
-    import ctypes
-    return ctypes.PyDLL(None, use_errno=True)  # PyDLL: calls keep the GIL (see _fork)
-
-
-def _fork():
-    """fork() without Python's at-fork hooks: threading's alone costs every call ~0.4 ms of
-    copy-on-write faults. Safe here: the worker has one thread and holds no locks."""
-    if (pid := _libc().fork()) < 0:
-        raise OSError("fork failed")
-    return pid
+    return ctypes.PyDLL(None, use_errno=True)  # PyDLL: calls keep the GIL (see the fork in _call)
 
 
 def _isolate(tmpfs_mb):
     """As root, move this worker (and so every call it forks) into new network, IPC and mount
     namespaces: no interface is up, every mount is read-only, /tmp is a fresh tmpfs."""
-    got = {"user": os.geteuid() == 0, "network": False, "filesystem": False}
+    got, libc = {"user": os.geteuid() == 0, "network": False, "filesystem": False}, _libc()
     if os.geteuid() == 0:
-        import ctypes, struct
-        libc = _libc()
         got["network"] = libc.unshare(CLONE_NEWNET | CLONE_NEWIPC) == 0
         if libc.unshare(CLONE_NEWNS) == 0 and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-            attr = struct.pack("QQQQ", 1, 0, 0, 0)  # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, RDONLY)
-            ro = libc.syscall(ctypes.c_long(442), -100, b"/", 0x8000, attr, ctypes.c_size_t(len(attr)))
+            attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)  # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, RDONLY)
+            ro = libc.syscall(ctypes.c_long(442), -100, b"/", 0x8000, attr, ctypes.c_size_t(32))
             opts = f"size={tmpfs_mb}m,mode=755".encode()
             got["filesystem"] = ro == 0 and libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 6, opts) == 0  # nosuid,nodev
     return got
 
 
-def _kill_all(uid, pid=None):
-    """SIGKILL the call's child `pid` and everything it started. As root, a helper process that
-    becomes the call's uid kills all that uid owns (setsid cannot escape that); otherwise the
-    process group and the worker's children (a subreaper inherits the call's orphans) die."""
-    victims = [] if pid is None else [pid]
-    if uid is None:
-        victims += [int(p) for p in open(f"/proc/self/task/{os.getpid()}/children").read().split()]
-    for p, kill in itertools.product(victims, (os.kill, os.killpg)):
-        try:
-            kill(p, signal.SIGKILL)
-        except OSError:
-            pass
-    if uid is not None and os.fork() == 0:
-        try:
-            os.setgid(uid), os.setuid(uid), os.kill(-1, signal.SIGKILL)
-        finally:
+def _huge_pages():
+    """Put the warm heap in 2 MB pages where the kernel can (MADV_COLLAPSE, Linux 6.1+): a fork copies,
+    and an exit frees, one page-table entry for each instead of 512; a child still copies 4 KB pages."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if fields[1] == "rw-p" and (len(fields) == 5 or fields[5] == "[heap]"):  # anonymous memory
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            start, end = -(-start >> 21) << 21, end >> 21 << 21  # the whole 2 MB pages inside
+            if end > start:
+                _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_COLLAPSE)
+
+
+def _kill_leftovers(cfg, force=False):
+    """Kill and reap all that calls left running (usually nothing: one read). As root, a helper that
+    becomes the calls' uid kills all that uid owns (setsid cannot escape that); else the worker's
+    children and their process groups die (the worker is a subreaper: a call's orphans come to it)."""
+    while force or os.pread(cfg.children, 1, 0):  # the worker has children, zombies included
+        if not force and os.waitpid(-1, os.WNOHANG)[0]:
+            continue  # (reaped one)
+        if cfg.uid is None:
+            for pid, kill in itertools.product(os.pread(cfg.children, 1 << 16, 0).split(), (os.kill, os.killpg)):
+                with contextlib.suppress(OSError):
+                    kill(int(pid), signal.SIGKILL)
+        elif os.fork() == 0:
+            with contextlib.suppress(BaseException):
+                os.setgid(cfg.uid), os.setuid(cfg.uid), os.kill(-1, signal.SIGKILL)
             os._exit(0)
-
-
-def _reap_leftovers(uid):
-    """Kill and reap whatever the last call left running (usually nothing: one syscall)."""
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:  # a child of ours is still alive
-                _kill_all(uid)
-                time.sleep(0.005)
-        except ChildProcessError:
-            return
+        force = False
+        time.sleep(0.005)
 
 
 def _read(fd, limit, tail):
@@ -258,18 +236,25 @@ def _read(fd, limit, tail):
     return (text[-limit:] if tail else text[:limit]), size > n or len(text) > limit
 
 
-def _call(request, cfg):
-    """Run one request in a fresh forked child; the reply (None: the caller is gone). What can be
-    done before the fork is, so that the child pays for little copy-on-write."""
-    try:  # compile like a notebook cell: a bare last expression gets its repr printed
-        tree = ast.parse(source := request["code"], "<code>")
-        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        body, last = compile(tree, "<code>", "exec"), last and compile(ast.Expression(last.value), "<code>", "eval")
+def _compile(source):
+    """Compile a cell like a notebook does: (its body, its bare last expression or None). Its lines go
+    in linecache, for the tracebacks and warnings of the child that runs it."""
+    linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")
+    tree = ast.parse(source, "<code>")
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    return compile(tree, "<code>", "exec"), last and compile(ast.Expression(last.value), "<code>", "eval")
+
+
+def _call(source, stdin, cfg):
+    """Run one request in a fresh forked child; the reply (None: the caller is gone). After the fork,
+    each page either process writes costs a fault and a copy: the worker prepares all it can first."""
+    try:
+        body, last = _compile(source)
     except Exception as e:
         err = "".join(traceback.format_exception_only(e))
         return dict(KILLED, status="error", stderr=err[-cfg.max_output:], truncated=len(err) > cfg.max_output)
     fds = [os.memfd_create(name) for name in ("stdin", "stdout", "stderr")]
-    os.write(fds[0], request["stdin"].encode(errors="replace")), os.lseek(fds[0], 0, os.SEEK_SET)
+    os.write(fds[0], stdin.encode(errors="replace")), os.lseek(fds[0], 0, os.SEEK_SET)
     os.mkdir(cwd := f"{cfg.tmp}/{next(cfg.calls)}", 0o700)
     if cfg.uid is not None:
         os.chown(cwd, cfg.uid, cfg.uid)
@@ -279,14 +264,17 @@ def _call(request, cfg):
         sys.modules["numpy"].random.seed(seed)
     sys.stdout.flush(), sys.stderr.flush()
     start = time.monotonic()
-    if (pid := _fork()) == 0:
-        _child(source, body, last, cwd, fds, cfg)  # never returns
+    # libc's fork, not os.fork: Python's at-fork hooks (threading's alone) cost ~0.4 ms of copy-on-write
+    # faults per call. Safe: the worker has one thread and holds no locks.
+    if (pid := _libc().fork()) == 0:
+        _child(body, last, cwd, fds, cfg)  # never returns
     pidfd = os.pidfd_open(pid)
     ready = select.select([pidfd, cfg.parent_fd], [], [], cfg.timeout)[0]  # the caller's pipe stirs at EOF
-    if pidfd not in ready:
-        _kill_all(cfg.uid, pid)
+    for kill in (os.kill, os.killpg) if pidfd not in ready else ():  # the child and its process group
+        with contextlib.suppress(OSError):  # (then all else it started, just below)
+            kill(pid, signal.SIGKILL)
     code, seconds = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), time.monotonic() - start
-    _reap_leftovers(cfg.uid)
+    _kill_leftovers(cfg)
     if any(os.pread(fd, 4096, 0).count(b"\n") > 1 for fd in cfg.ipc):  # it left SysV IPC objects: leave
         _libc().unshare(CLONE_NEWIPC)  # them behind in the old namespace
         cfg.ipc = [os.close(fd) or os.open(path, os.O_RDONLY) for fd, path in zip(cfg.ipc, IPC)]
@@ -305,9 +293,9 @@ def _call(request, cfg):
     return {"status": status, "stdout": stdout, "stderr": stderr, "seconds": seconds, "truncated": cut_out or cut_err}
 
 
-def _child(source, body, last, cwd, fds, cfg):
-    """The forked child: confine itself, then run the cell like `python -c` would. Never returns."""
-    scope, code = {"__name__": "__main__", "__builtins__": builtins}, 1
+def _child(body, last, cwd, fds, cfg):
+    """The forked child: confine itself, then run the cell. Never returns."""
+    code = 1
     try:
         os.setsid()
         for target, fd in enumerate(fds):
@@ -319,34 +307,39 @@ def _child(source, body, last, cwd, fds, cfg):
         if cfg.uid is not None:
             os.setgroups([]), os.setgid(cfg.uid), os.setuid(cfg.uid)
         _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (setuid clears it, so after that)
+        code = _run(body, last)
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+
+
+def _run(body, last):
+    """Run a compiled cell as `python -c` would, a bare last expression printed; the exit code."""
+    scope = {"__name__": "__main__", "__builtins__": builtins}
+    try:
         exec(body, scope)
         if last is not None and (value := eval(last, scope)) is not None:
             print(repr(value))
-        code = 0
+        return 0
     except MemoryError:
         scope.clear()
         os.write(2, b"MemoryError\n")
-        code = OOM_EXIT
+        return OOM_EXIT
     except SystemExit as e:  # as Python does: sys.exit(None or int), or print the message and exit 1
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException as e:  # the traceback from the user's first frame on: none of ours
-        import linecache
-        linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != "<code>":
             tb = tb.tb_next
         sys.stderr.write("".join(traceback.format_exception(type(e), e, tb)))
-    finally:
-        try:
-            sys.stdout.flush(), sys.stderr.flush()
-        finally:
-            os._exit(code)
+        return 1
 
 
 def _worker(kind, uid, timeout, memory_mb, max_output):
-    import gc, importlib, pkgutil, warnings
+    import gc, importlib, io, pkgutil, warnings
     root = os.geteuid() == 0
     requests, replies = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0), os.dup2(2, 1)  # stray prints go to stderr
@@ -365,31 +358,29 @@ def _worker(kind, uid, timeout, memory_mb, max_output):
             for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 if ".tests" not in m.name and ".benchmarks" not in m.name:
                     importlib.import_module(m.name)
-    if kind == "full":  # warm sympy and math-verify up: they build caches and tables on first use
-        exec("from sympy import *\nfrom math_verify import parse, verify\nx = Symbol('x')\nsolve(x**2 - 1), factorint(2**32 + 1)"
-             "\nsimplify(sin(x)**2 + cos(x)**2), integrate(x * exp(x), x), limit(sin(x) / x, x, 0), series(cos(x), x, 0, 4)"
-             "\nverify(parse('\\\\boxed{\\\\frac{1}{2}}'), parse('\\\\boxed{0.5}'))", {})
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        for cell in WARM[kind == "light":]:
+            _run(*_compile(cell))
     gc.collect(), gc.freeze()  # the warm heap stays out of the children's garbage collections
+    _huge_pages()
     base_mb = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") >> 20
     cfg = types.SimpleNamespace(uid=int(uid) if root else None, timeout=float(timeout), max_output=int(max_output),
                                 limit_mb=base_mb + int(memory_mb), tmp=tempfile.mkdtemp(), calls=itertools.count(),
-                                parent_fd=requests.fileno(), ipc=[os.open(p, os.O_RDONLY) for p in IPC] if root else [])
+                                parent_fd=requests.fileno(), children=os.open(f"/proc/self/task/{os.getpid()}/children", 0),
+                                ipc=[os.open(p, os.O_RDONLY) for p in IPC] if root else [])
     os.chmod(cfg.tmp, 0o711)  # calls may pass through to their own directories, not list or change it
-    if root:
-        _kill_all(cfg.uid)  # whatever a dead predecessor in this slot left running
-    _reap_leftovers(cfg.uid)
-    replies.write(json.dumps({"isolation": isolation, "modules": sorted(sys.modules)}).encode() + b"\n")
-    for line in requests:
-        if (reply := _call(json.loads(line), cfg)) is None:
-            break
-        replies.write(json.dumps(reply).encode() + b"\n")
+    _kill_leftovers(cfg, force=root)  # whatever a dead predecessor in this slot left running
+    replies.write(marshal.dumps({"isolation": isolation, "modules": sorted(sys.modules)}))
+    with contextlib.suppress(EOFError):  # (the end of the requests: the caller closed them)
+        while (reply := _call(*marshal.load(requests), cfg)) is not None:
+            replies.write(marshal.dumps(reply))
     shutil.rmtree(cfg.tmp, ignore_errors=True)
 
 
 # -----------------------------------------------------------------------------
-# Benchmark: `python sandbox.py --bench`, the pool against subprocess.run per call
+# Benchmark: `python sandbox.py --bench`, the pool against subprocess.run per call, same concurrency
 
-BENCH = {"tiny": "print(sum(i * i for i in range(100)))",
+BENCH = {"tiny": "print(sum(i * i for i in range(100)))",  # (the sympy cell is none the workers warm up with)
          "sympy": "import sympy as sp\nx = sp.symbols('x')\nprint(sp.solve(x**2 - 5*x + 6, x), sp.factorint(2**32 + 1))",
          "error": "def f(n):\n    return 1 / n\nf(0)"}
 
@@ -401,7 +392,7 @@ def _timed(call, code):
 
 
 def _bench(rounds=3):
-    n, speedups, done = os.cpu_count() or 1, {}, []
+    n, speedups, burst = os.cpu_count() or 1, [], []
     naive = lambda code: subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     with Sandbox(workers=n) as sb, ThreadPoolExecutor(n) as ex:
         print(f"{n} workers, concurrency {n}, {rounds} interleaved rounds, isolation {sb.isolation}")
@@ -410,21 +401,22 @@ def _bench(rounds=3):
             runs = {"pool": (sb.run, 100 if name == "sympy" else 600), "subprocess": (naive, (2 if name == "sympy" else 12) * n)}
             seconds, latencies = dict.fromkeys(runs, 0.0), {who: [] for who in runs}
             for _, (who, (call, count)) in itertools.product(range(rounds), runs.items()):  # interleaved: the
-                start = time.perf_counter()  # machine is shared, so both should see the same load
+                start = time.perf_counter()  # machine may be shared, so both should see the same load
                 latencies[who] += ex.map(lambda _: _timed(call, code), range(count))
                 seconds[who] += time.perf_counter() - start
             for who, lat in latencies.items():
-                lat.sort()
-                print("%-6s %-10s %8.1f calls/s  p50 %7.1f ms  p99 %7.1f ms" % (
-                    name, who, len(lat) / seconds[who], 1e3 * lat[len(lat) // 2], 1e3 * lat[int(0.99 * len(lat))]))
-            speedups[name] = len(latencies["pool"]) / seconds["pool"] / (len(latencies["subprocess"]) / seconds["subprocess"])
+                rate, lat = len(lat) / seconds[who], sorted(lat)
+                print(f"{name:6} {who:10} {rate:8.1f} calls/s  p50 {lat[len(lat) // 2] * 1e3:7.1f} ms  "
+                      f"p99 {lat[int(0.99 * len(lat))] * 1e3:7.1f} ms")
+            rates = [len(latencies[who]) / seconds[who] for who in runs]
+            speedups.append(f"{name} {rates[0] / rates[1]:.1f}")
         for _ in range(1000):  # a burst, all submitted at once; each latency from its own submit
-            sb.submit(BENCH["tiny"]).add_done_callback(lambda f, t=time.perf_counter(): done.append(time.perf_counter() - t))
-        while len(done) < 1000:
+            sb.submit(BENCH["tiny"]).add_done_callback(lambda f, t=time.perf_counter(): burst.append(time.perf_counter() - t))
+        while len(burst) < 1000:
             time.sleep(0.01)
-        done.sort()
-        print(f"burst of 1000 tiny submissions: p50 {done[500] * 1e3:.1f} ms  p99 {done[990] * 1e3:.1f} ms")
-    print("speedup vs subprocess: " + ", ".join(f"{k} {v:.1f}" for k, v in speedups.items()))
+        burst.sort()
+        print(f"burst of 1000 tiny submissions: p50 {burst[500] * 1e3:.1f} ms  p99 {burst[990] * 1e3:.1f} ms")
+    print("speedup vs subprocess: " + ", ".join(speedups))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

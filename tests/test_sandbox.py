@@ -83,6 +83,11 @@ def test_traceback_shows_the_users_code_not_the_sandbox(sb):
     assert "sandbox.py" not in r.stderr, f"the sandbox's own frames leak into the traceback: {r.stderr}"
 
 
+def test_warnings_quote_the_calls_own_line(sb):
+    r = sb.run("import warnings\nx = 1\nwarnings.warn('careful')")
+    assert r.stderr == "<code>:3: UserWarning: careful\n  warnings.warn('careful')\n", f"wrong source line: {r.stderr}"
+
+
 def test_input_reads_the_given_stdin(sb):
     assert sb.run("print(input() + input())", "ab\ncd\n").stdout == "abcd\n"
 
@@ -118,15 +123,27 @@ print(datetime.date(2024, 1, 1).weekday(), string.ascii_lowercase[:3], random.ra
 
 def test_standard_library_works_in_the_light_worker(sb):
     code = """
-import math, fractions, decimal, itertools, functools, collections, re, random, heapq, bisect, statistics, string
-import json, datetime, operator, copy, textwrap, unicodedata, hashlib, base64, calendar, difflib, zlib
-print(datetime.datetime.strptime('2024-01-02', '%Y-%m-%d').isoformat(), 'é'.encode('utf-16')[:2], 'x'.encode('cp1252'))
+import math, cmath, fractions, decimal, itertools, functools, collections, re, random, heapq, bisect, statistics
+import string, operator, time, copy, typing, numbers
+print(time.strptime('2024-01-02', '%Y-%m-%d').tm_yday, 'é'.encode('utf-16')[:2], 'x'.encode('cp1252'))
 print(fractions.Fraction(1, 3) ** 2, decimal.Decimal(2).sqrt(), statistics.median([3, 1, 2]), math.isqrt(10**20))
-print(unicodedata.name('é'), hashlib.sha256(b'').hexdigest()[:8], difflib.SequenceMatcher(None, 'ab', 'ac').ratio())
+print(copy.deepcopy([1, [2]]), cmath.sqrt(-4), collections.Counter('aab').most_common(1), random.random() < 1)
 """
-    assert not [word for word in sb._heavy if word in code], "the test meant to run in the light worker"
+    assert not sb._heavy.search(code), "the test meant to run in the light worker"
     r = sb.run(code)
     assert r.status == "ok", f"a standard-library (lazy) import fails in the light worker:\n{r.stderr}"
+
+
+def test_modules_only_the_full_worker_has_send_code_there(sb):
+    code = """
+import json, datetime, textwrap, unicodedata, hashlib, base64, calendar, difflib, zlib, queue, threading
+print(datetime.datetime.strptime('2024-01-02', '%Y-%m-%d').isoformat(), json.dumps({'a': 1}), queue.Queue().empty())
+print(unicodedata.name('é'), hashlib.sha256(b'').hexdigest()[:8], difflib.SequenceMatcher(None, 'ab', 'ac').ratio())
+"""
+    for module in ("json", "hashlib", "queue"):
+        assert sb._heavy.search(f"import {module}"), f"code importing {module} must run in the full worker"
+    r = sb.run(code)
+    assert r.status == "ok", f"a standard-library import fails in the full worker:\n{r.stderr}"
 
 
 # -----------------------------------------------------------------------------
