@@ -1,10 +1,8 @@
 """Multi-turn tool rollouts: the conversation format and the agent loop.
 
-The format (paper Fig. 3) is rendered in one place for SFT, RL and eval. The agent loop is a
-small per-trajectory state machine (start_trajectories -> sampling_params -> engine -> end_turn
--> sandbox -> add_tool_turn -> ... -> finish) that any driver can step: `rollout_lockstep` here is
-the readable turn-synchronous baseline, scheduler.py the fast one. Trajectories are built from
-token ids, never by re-tokenizing text, so the trainer scores exactly what the sampler produced.
+The format (paper Fig. 3) is rendered here for SFT, RL and eval. The agent loop is a per-trajectory state machine
+that any driver can step: `rollout_lockstep` below is the readable turn-synchronous one, scheduler.py the fast one.
+Trajectories are built from token ids, never by re-tokenizing text: the trainer scores exactly the sampled ids.
 """
 import json
 import os
@@ -16,6 +14,7 @@ from dataclasses import dataclass, field
 # The trajectory record (DESIGN.md §4): everything downstream reads only this.
 
 FAILURE_KINDS = ("error", "timeout", "oom", "parse")  # what counts as a failed tool call
+FINISH_REASONS = ("answer", "no_tool_call", "length", "max_turns")
 
 
 @dataclass
@@ -33,7 +32,7 @@ class Trajectory:
     answer: str | None = None       # the extracted \boxed{} answer, None if there is none
     gold: str = ""                  # the reference answer
     reward: float = 0.0             # 1.0 if the answer is equivalent to the gold answer, else 0.0
-    finish_reason: str = ""         # "answer", "no_tool_call", "length" or "max_turns"
+    finish_reason: str = ""         # one of FINISH_REASONS, set when the trajectory ends
     text: str = ""                  # the decoded response, for logs only
 
     @property
@@ -42,16 +41,14 @@ class Trajectory:
 
 
 # -----------------------------------------------------------------------------
-# The conversation format (paper Fig. 3; DESIGN.md §3 "Prompt" and "Turns").
-# One place renders conversations: SFT, RL and eval all go through these.
+# The conversation format (paper Fig. 3; DESIGN.md §3 "Prompt" and "Turns"): SFT, RL and eval all render with these.
 
 TOOL_NAME = "execute_python_code_with_standard_io"
 
-_TOOL_SPEC = {"type": "function", "function": {
-    "name": TOOL_NAME,
-    "description": "Execute Python code with standard input and capture standard output. The code runs as a "
-                   "script; the input string is given to it on stdin, and whatever it prints to stdout is "
-                   "returned. If the code raises an error, the error message is returned instead.",
+_TOOL_SPEC = {"type": "function", "function": {"name": TOOL_NAME,
+    "description": "Execute Python code with standard input and capture standard output. The code runs as a script; "
+                   "the input string is given to it on stdin, and whatever it prints to stdout is returned. If the "
+                   "code raises an error, the error message is returned instead.",
     "parameters": {"type": "object", "properties": {
         "code": {"type": "string", "description": "The Python code to run."},
         "input": {"type": "string", "description": "The text given to the code on standard input."}},
@@ -60,22 +57,18 @@ _TOOL_SPEC = {"type": "function", "function": {
                "output. If an error occurs during execution, the error message will be returned."}}}
 
 SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The Assistant first thinks about the reasoning process in the mind and then provides the user with "
-    "the answer. The reasoning process and answer are enclosed within <reason> </reason> and "
-    "<answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason>"
-    "<answer> answer here </answer>.\n\n"
-    "# Tools: You may call one or more functions to assist with the user query. You are provided with "
-    "function signatures within <tools></tools> XML tags:\n"
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The "
+    "Assistant first thinks about the reasoning process in the mind and then provides the user with the answer. "
+    "The reasoning process and answer are enclosed within <reason> </reason> and <answer> </answer> tags, "
+    "respectively, i.e., <reason> reasoning process here </reason><answer> answer here </answer>.\n\n"
+    "# Tools: You may call one or more functions to assist with the user query. You are provided with function "
+    "signatures within <tools></tools> XML tags:\n"
     "<tools>" + json.dumps(_TOOL_SPEC, separators=(",", ":")) + "</tools>\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:<tool_call>{\"name\": <function-name>, "
-    "\"arguments\": <args-json-object>}</tool_call>"
-)
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:<tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}</tool_call>")
 
-USER_PREFIX = ("You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here "
-               "</answer>. And your final answer will be extracted automatically by the \\boxed{} tag. "
-               "This is the problem: ")
+USER_PREFIX = ("You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. And "
+               "your final answer will be extracted automatically by the \\boxed{} tag. This is the problem: ")
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 ASSISTANT_OPEN = f"{IM_START}assistant\n<reason>"  # every assistant turn starts inside <reason>
@@ -83,15 +76,12 @@ ASSISTANT_OPEN = f"{IM_START}assistant\n<reason>"  # every assistant turn starts
 
 def render_prompt(question: str, system: str = SYSTEM_PROMPT) -> str:
     """System + user turn, then the assistant turn opened with <reason>."""
-    return (f"{IM_START}system\n{system}{IM_END}\n"
-            f"{IM_START}user\n{USER_PREFIX}{question}{IM_END}\n{ASSISTANT_OPEN}")
+    return f"{IM_START}system\n{system}{IM_END}\n{IM_START}user\n{USER_PREFIX}{question}{IM_END}\n{ASSISTANT_OPEN}"
 
 
 def render_tool_turn(response_text: str) -> str:
-    """What follows an assistant turn that ended with its sampled <|im_end|>: the tool's output as a
-    *user* turn (paper §2.1), then a fresh assistant turn opened with <reason>."""
-    return (f"\n{IM_START}user\n<tool_response>\n{response_text}\n</tool_response>{IM_END}\n"
-            f"{ASSISTANT_OPEN}")
+    """Follows a sampled <|im_end|>: the tool's output as a *user* turn (paper §2.1), then a new assistant turn."""
+    return f"\n{IM_START}user\n<tool_response>\n{response_text}\n</tool_response>{IM_END}\n{ASSISTANT_OPEN}"
 
 
 def render_tool_call(code: str, stdin: str = "") -> str:
@@ -101,72 +91,50 @@ def render_tool_call(code: str, stdin: str = "") -> str:
 
 
 def render_assistant_turn(message: dict) -> str:
-    """An assistant message as sampled text: content (after the opening <reason>), the optional tool
-    call, and the closing <|im_end|> the sampler ends the turn with."""
-    content = message.get("content") or ""
-    if content.startswith("<reason>"):  # tolerate data that repeats the opening tag
-        content = content[len("<reason>"):]
-    call = message.get("tool_call")
-    if call is not None:
+    """An assistant message as sampled text: content, the optional tool call, the closing <|im_end|>."""
+    content = (message.get("content") or "").removeprefix("<reason>")  # data may repeat the opening tag
+    if (call := message.get("tool_call")) is not None:
         content += render_tool_call(call["code"], call.get("input", ""))
     return content + IM_END
 
 
 def render_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids and loss mask of a conversation, exactly as a rollout would build them.
-
-    Messages: an optional system message (default SYSTEM_PROMPT), a user message, then assistant
-    and tool messages in turn (assistant messages may carry "tool_call": {"code", "input"}); a
-    later user message opens a new exchange. Each piece is tokenized on its own and the ids are
-    concatenated, because the rollout never re-tokenizes across turn boundaries. loss_mask is 1 on
-    assistant tokens (their closing <|im_end|> included) and 0 on everything else."""
+    """Token ids and loss mask of a conversation, exactly as a rollout builds them: each turn tokenized on its own
+    (a rollout never re-tokenizes across turns). Messages: an optional system message (default SYSTEM_PROMPT), a
+    user message, then assistant messages (which may carry "tool_call": {"code", "input"}) alternating with tool
+    or further user messages. loss_mask is 1 on assistant tokens, their closing <|im_end|> included."""
     msgs = list(messages)
-    system = SYSTEM_PROMPT
-    if msgs and msgs[0]["role"] == "system":
-        system = msgs.pop(0)["content"]
-    if not msgs or msgs[0]["role"] != "user":
-        raise ValueError(f"a conversation starts with an optional system message and then a user "
-                         f"message; got roles {[m['role'] for m in messages]}")
-    ids, loss_mask = [], []
-
-    def add(text, mask):
-        piece = tokenizer.encode(text, add_special_tokens=False)
-        ids.extend(piece)
-        loss_mask.extend([mask] * len(piece))
-
-    add(render_prompt(msgs[0]["content"], system), 0)
-    prev = "user"
-    for m in msgs[1:]:
-        role = m["role"]
-        if role == "assistant" and prev in ("user", "tool"):
-            add(render_assistant_turn(m), 1)
-        elif role == "tool" and prev == "assistant":
-            add(render_tool_turn(m["content"]), 0)
-        elif role == "user" and prev == "assistant":
-            add(f"\n{IM_START}user\n{USER_PREFIX}{m['content']}{IM_END}\n{ASSISTANT_OPEN}", 0)
-        else:
-            raise ValueError(f"role {role!r} cannot follow {prev!r}: after the first user message, "
-                             f"assistant turns alternate with tool (or user) turns")
-        prev = role
+    system = msgs.pop(0)["content"] if msgs and msgs[0]["role"] == "system" else SYSTEM_PROMPT
+    roles = [m["role"] for m in msgs]
+    alternating = all(r == "assistant" if i % 2 else r in ("user", "tool") for i, r in enumerate(roles))
+    if roles[:1] != ["user"] or not alternating:
+        raise ValueError(f"a conversation is an optional system message, a user message, then assistant messages "
+                         f"alternating with tool (or user) messages; got roles {[m['role'] for m in messages]}")
+    render = {"assistant": render_assistant_turn, "tool": lambda m: render_tool_turn(m["content"]),
+              "user": lambda m: f"\n{IM_START}user\n{USER_PREFIX}{m['content']}{IM_END}\n{ASSISTANT_OPEN}"}
+    texts = [render_prompt(msgs[0]["content"], system)] + [render[m["role"]](m) for m in msgs[1:]]
+    pieces = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    ids = [i for piece in pieces for i in piece]
+    loss_mask = [int(m["role"] == "assistant") for m, piece in zip(msgs, pieces) for _ in piece]
     return ids, loss_mask
 
 
 # -- parsing what the model wrote ---------------------------------------------
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED_RE = re.compile(r"\\boxed\s*\{")
+_DECIMAL_RE = re.compile(r"[+-]?\d+(\.\d*)?")  # grading: a plain number
+_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
 
 
 def parse_tool_call(text: str) -> None | tuple[str, str] | str:
-    """The first tool call of an assistant turn.
-
-    None if the turn has no <tool_call>; (code, stdin) for a well-formed call; otherwise the error
-    message, which goes back to the model as the tool's output (paper §2.1: a parse error *is* the
-    tool output). Only the first call of a turn is executed, as in the official release."""
-    start = text.find("<tool_call>")
-    if start < 0:
+    """The first tool call of an assistant turn (only the first runs, as in the official release): None if there
+    is none, (code, stdin) if it is well formed, else the error message, which goes back to the model as the
+    tool's output (paper §2.1: a parse error *is* the tool output)."""
+    if "<tool_call>" not in text:
         return None
-    m = _TOOL_CALL_RE.search(text, start)
-    if m is None:
+    if (m := _TOOL_CALL_RE.search(text)) is None:
         return "Failed to decode tool call: <tool_call> is not closed by </tool_call>"
     try:
         call = json.loads(m.group(1).strip())
@@ -187,43 +155,9 @@ def parse_tool_call(text: str) -> None | tuple[str, str] | str:
     return code, stdin
 
 
-# Whole tool response the model sees, cut in the middle beyond this. The official release used
-# verl's default of 256 characters, which cuts a three-frame traceback through its error line's
-# context. The sandbox already caps stdout and stderr at 1000 characters each; 1024 keeps a typical
-# traceback or a long printout whole while bounding a tool turn to a few hundred tokens.
-MAX_TOOL_RESPONSE_CHARS = 1024
-_TRUNCATION_MARK = "\n...(truncated)...\n"
-
-
-def format_tool_response(result, max_chars: int = MAX_TOOL_RESPONSE_CHARS) -> str:
-    """The text the model sees for an ExecResult: stdout, then stderr, then a line for a timeout or a
-    kill; middle-truncated to max_chars (the head says what ran, the tail where it failed)."""
-    parts = [s.rstrip("\n") for s in (result.stdout, result.stderr) if s and s.strip()]
-    if result.status == "timeout":
-        parts.append(f"TimeoutError: the code ran past the time limit and was stopped after "
-                     f"{result.seconds:.1f} s")
-    elif result.status == "oom":
-        parts.append("MemoryError: the code went over the memory limit and was stopped")
-    elif result.status not in ("ok", "error"):
-        parts.append(f"the code was stopped ({result.status})")
-    text = "\n".join(parts) if parts else "(no output)"
-    if len(text) > max_chars:
-        keep = max(max_chars - len(_TRUNCATION_MARK), 0)
-        text = text[:keep - keep // 2] + _TRUNCATION_MARK + text[len(text) - keep // 2:]
-    return text
-
-
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOXED_RE = re.compile(r"\\boxed\s*\{")
-
-
 def extract_answer(text: str) -> str | None:
-    """The last \\boxed{...} inside the last <answer>...</answer>, nested braces handled; None if
-    there is no closed <answer> block or no readable \\boxed{} in it."""
-    blocks = _ANSWER_RE.findall(text)
-    if not blocks:
-        return None
-    block = blocks[-1]
+    """The last \\boxed{...} (nested braces handled) inside the last closed <answer> block, else None."""
+    block = (_ANSWER_RE.findall(text) or [""])[-1]
     for m in reversed(list(_BOXED_RE.finditer(block))):
         depth, i = 1, m.end()
         while i < len(block) and depth:
@@ -234,66 +168,62 @@ def extract_answer(text: str) -> str | None:
     return None
 
 
-def count_answers(text: str) -> int:
-    """Number of <answer> blocks opened (GRPO-RoC's format penalty counts repeated answers)."""
-    return text.count("<answer>")
+# Whole tool response the model sees, cut in the middle beyond this. The official release used verl's default, 256
+# characters, which cuts a three-frame traceback through its error line's context. With stdout and stderr capped at
+# 1000 each by the sandbox, 1024 keeps a typical traceback or printout whole and a tool turn a few hundred tokens.
+MAX_TOOL_RESPONSE_CHARS = 1024
+_TRUNCATION_MARK = "\n...(truncated)...\n"
+
+
+def format_tool_response(result, max_chars: int = MAX_TOOL_RESPONSE_CHARS) -> str:
+    """The text the model sees for an ExecResult: stdout, then stderr, then a line for a timeout or a kill;
+    middle-truncated to max_chars (the head says what ran, the tail where it failed)."""
+    parts = [s.rstrip("\n") for s in (result.stdout, result.stderr) if s and s.strip()]
+    stopped = {"timeout": "TimeoutError: the code ran past the time limit and was stopped after "
+                          f"{result.seconds:.1f} s",
+               "oom": "MemoryError: the code went over the memory limit and was stopped"}
+    if result.status not in ("ok", "error"):
+        parts.append(stopped.get(result.status, f"the code was stopped ({result.status})"))
+    text = "\n".join(parts) if parts else "(no output)"
+    if len(text) > max_chars:
+        keep = max(max_chars - len(_TRUNCATION_MARK), 0)
+        text = text[:keep - keep // 2] + _TRUNCATION_MARK + text[len(text) - keep // 2:]
+    return text
 
 
 # -- grading (DESIGN.md §3 "Reward") --------------------------------------------
 
-_INT_RE = re.compile(r"[+-]?\d+")
-_DECIMAL_RE = re.compile(r"[+-]?\d+(\.\d*)?")
-_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
-
-
 def _as_number(s: str) -> int | float | None:
-    """A plain number written as a model or a dataset would: " 42 ", "+42", "1,000", "1{,}000",
-    "42.0", "$42$". None for anything else (fractions, expressions, units)."""
+    """A plain number as written: " 42 ", "+42", "1,000", "1{,}000", "42.0", "$42$"; else None (fractions, ...)."""
     s = s.strip().strip("$").strip().replace("{,}", ",").replace("\\!", "").replace(" ", "")
     if _THOUSANDS_RE.fullmatch(s):
         s = s.replace(",", "")
-    if _INT_RE.fullmatch(s):
-        return int(s)
     if _DECIMAL_RE.fullmatch(s):
-        return float(s)
+        return float(s) if "." in s else int(s)  # an int compares exactly however large it is
     return None
 
 
-def _fast_grade(answer: str | None, gold: str) -> bool | None:
-    """True/False when plain numbers decide it, None when math-verify must."""
-    if answer is None:
-        return False
-    a, g = _as_number(answer), _as_number(gold)
-    if a is None or g is None:
-        return None
-    return a == g
-
-
-def _verify_in_process(answer: str, gold: str) -> bool:
-    # Without a sandbox: math-verify in this process. Fine for scripts and tests; in training, pass
-    # the sandbox so a pathological answer cannot hang the trainer.
-    from math_verify import parse, verify
-    try:
-        return bool(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + answer + "}")))
-    except Exception:
-        return False
-
-
-def is_correct(answer: str | None, gold: str, sandbox=None) -> bool:
-    """Reward check for one answer: see grade()."""
-    return grade([answer], [gold], sandbox)[0] == 1.0
-
-
 def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[float]:
-    """Rewards for a batch: an exact fast path for plain numbers, and math-verify for the rest in
-    one batch in the sandbox's workers (under their hard timeout)."""
-    rewards = [None if (f := _fast_grade(a, g)) is None else float(f) for a, g in zip(answers, golds)]
-    slow = [i for i, r in enumerate(rewards) if r is None]
-    if slow:
-        pairs = [(answers[i], golds[i]) for i in slow]
-        verdicts = (sandbox.verify_batch(pairs) if sandbox is not None
-                    else [_verify_in_process(a, g) for a, g in pairs])
-        for i, ok in zip(slow, verdicts):
+    """Rewards for a batch. Plain numbers are compared exactly here; math-verify decides the rest, in one batch in
+    the sandbox's workers (under their hard timeout). Without a sandbox it runs in this process: fine for scripts
+    and tests, but in training pass the sandbox, so that a pathological answer cannot hang the trainer."""
+    rewards, undecided = [0.0] * len(answers), []
+    for i, (answer, gold) in enumerate(zip(answers, golds)):
+        if answer is None:
+            continue
+        a, g = _as_number(answer), _as_number(gold)
+        if a is None or g is None:
+            undecided.append(i)
+        else:
+            rewards[i] = float(a == g)
+    if undecided:
+        pairs = [(answers[i], golds[i]) for i in undecided]
+        if sandbox is not None:
+            verdicts = sandbox.verify_batch(pairs)
+        else:  # math-verify returns False (never raises) for what it cannot read
+            from math_verify import parse, verify
+            verdicts = [verify(parse("\\boxed{" + g + "}"), parse("\\boxed{" + a + "}")) for a, g in pairs]
+        for i, ok in zip(undecided, verdicts):
             rewards[i] = float(ok)
     return rewards
 
@@ -312,9 +242,9 @@ def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: 
                   gpu_memory_utilization=memory_fraction)  # on CPU: the share of RAM for vLLM
     if torch.cuda.is_available():
         kwargs.update(dtype="bfloat16", enable_sleep_mode=True)
-    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt
-        # split by chunked prefill makes vllm 0.32 rewind the request's seeded generator, which
-        # CPU generators cannot do ("CPU Generator does not use offset"): prefill prompts whole.
+    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt split by chunked
+        # prefill makes vllm 0.32 rewind the request's seeded generator, which CPU generators cannot do
+        # ("CPU Generator does not use offset"): prefill prompts whole.
         kwargs.update(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
                       max_num_batched_tokens=max(max_model_len, 8192))
     if external_launcher:  # under torchrun: one engine per rank, inside the ranks' process group
@@ -323,15 +253,13 @@ def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: 
 
 
 def sync_weights(llm, named_tensors) -> None:
-    """Load trainer weights in place from an iterator of (name, tensor), HF names. vLLM 0.32's
-    worker exposes `reload_weights`; cached prefixes were computed by the old weights, so drop them."""
+    """Load trainer weights in place from an iterator of (name, tensor), HF names (vLLM 0.32's `reload_weights`)."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
-    llm.reset_prefix_cache()
+    llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
 
 
 def sleep(llm) -> None:
-    """Free the engine's GPU memory for training (level 1: weights to host RAM, KV cache dropped).
-    A no-op where vllm 0.32 has no sleep mode (CPU)."""
+    """Free GPU memory for training: weights to host RAM, KV cache dropped. A no-op on CPU (no sleep mode there)."""
     if llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
         llm.sleep(level=1)
 
@@ -363,17 +291,14 @@ class RolloutConfig:
 
 def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0) -> list[Trajectory]:
     """n fresh trajectories per problem ({"question", "answer"}), numbered from `offset`."""
-    trajs = []
-    for i, p in enumerate(problems, start=offset):
-        prompt_ids = tokenizer.encode(render_prompt(p["question"]), add_special_tokens=False)
-        trajs += [Trajectory(index=i, sample=s, prompt_ids=list(prompt_ids), gold=str(p["answer"]))
-                  for s in range(n)]
-    return trajs
+    prompts = [tokenizer.encode(render_prompt(p["question"]), add_special_tokens=False) for p in problems]
+    return [Trajectory(index=offset + i, sample=s, prompt_ids=list(ids), gold=str(p["answer"]))
+            for i, (p, ids) in enumerate(zip(problems, prompts)) for s in range(n)]
 
 
 def sampling_params(traj: Trajectory, cfg: RolloutConfig, tokenizer):
-    """The next turn's sampling: what is left of the budget, stop at <|im_end|>, and a seed of its
-    own, so a trajectory samples the same tokens whichever driver or batch it runs in."""
+    """The next turn's sampling: what is left of the budget, stop at <|im_end|>, and a seed of its own, so a
+    trajectory samples the same tokens whichever driver or batch it runs in."""
     from vllm import SamplingParams
     seed = hash((cfg.seed, traj.index, traj.sample, traj.num_turns)) % 2**31
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed, logprobs=0,
@@ -381,18 +306,16 @@ def sampling_params(traj: Trajectory, cfg: RolloutConfig, tokenizer):
                           stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END)])
 
 
-def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], tokenizer,
-             cfg: RolloutConfig):
-    """Append a sampled turn (loss mask 1; its closing <|im_end|> included). Returns the tool call
-    to run next, (code, stdin), or a parse error to show the model; None once the trajectory has
-    finished (finish_reason set)."""
+def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], tokenizer, cfg: RolloutConfig):
+    """Append a sampled turn (loss mask 1, its closing <|im_end|> included). Returns the tool call to run next,
+    (code, stdin), or a parse error to show the model; None once the trajectory has finished (finish_reason)."""
     traj.response_ids += token_ids
     traj.loss_mask += [1] * len(token_ids)
     traj.logprobs += logprobs
     traj.num_turns += 1
     text = tokenizer.decode(token_ids)
     traj.text += text
-    traj.num_answers += count_answers(text)
+    traj.num_answers += text.count("<answer>")  # GRPO-RoC's format penalty counts repeated answers
     traj.answer = extract_answer(text) or traj.answer  # the model's last answer counts
     call = parse_tool_call(text)
     ended = bool(token_ids) and token_ids[-1] == tokenizer.convert_tokens_to_ids(IM_END)
@@ -404,20 +327,17 @@ def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], toke
         traj.finish_reason = "max_turns"
     else:
         traj.tool_calls += 1
-        if isinstance(call, str):
-            traj.tool_failures["parse"] = traj.tool_failures.get("parse", 0) + 1
         return call
     return None
 
 
 def add_tool_turn(traj: Trajectory, result, tokenizer, cfg: RolloutConfig) -> None:
-    """Append the tool's output (an ExecResult, or a parse error) as a user turn (loss mask 0).
-    A tool turn that does not fit the budget ends the trajectory ("length")."""
-    if not isinstance(result, str) and result.status != "ok":
-        kind = result.status if result.status in FAILURE_KINDS else "error"
+    """Append the tool's output (an ExecResult, or a parse error) as a user turn (loss mask 0), counting a failed
+    call by kind. A tool turn that does not fit the budget ends the trajectory ("length")."""
+    if isinstance(result, str) or result.status != "ok":
+        kind = "parse" if isinstance(result, str) else result.status if result.status in FAILURE_KINDS else "error"
         traj.tool_failures[kind] = traj.tool_failures.get(kind, 0) + 1
-    text = render_tool_turn(result if isinstance(result, str)
-                            else format_tool_response(result, cfg.max_tool_chars))
+    text = render_tool_turn(result if isinstance(result, str) else format_tool_response(result, cfg.max_tool_chars))
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(traj.response_ids) + len(ids) >= cfg.max_response:
         traj.finish_reason = "length"
@@ -441,30 +361,23 @@ def sampled(output) -> tuple[list[int], list[float]]:
     return ids, [lp[t].logprob for t, lp in zip(ids, output.logprobs)]
 
 
-def batch_stats(trajs: list[Trajectory], **seconds) -> dict:
-    """Per-batch statistics for logs."""
+def batch_stats(trajs: list[Trajectory], **extra) -> dict:
+    """Per-batch statistics for logs; `extra` (timings, the driver's own counters) is passed through."""
     n = max(len(trajs), 1)
-    stats = {"trajectories": len(trajs), "generated_tokens": sum(sum(t.loss_mask) for t in trajs),
-             "turns_mean": sum(t.num_turns for t in trajs) / n,
-             "tool_calls": sum(t.tool_calls for t in trajs),
-             "accuracy": sum(t.reward for t in trajs) / n, **seconds}
-    for kind in FAILURE_KINDS:
-        stats[f"tool_{kind}"] = sum(t.tool_failures.get(kind, 0) for t in trajs)
-    for reason in ("answer", "no_tool_call", "length", "max_turns"):
-        stats[f"finish_{reason}"] = sum(t.finish_reason == reason for t in trajs)
-    return stats
+    return {"trajectories": len(trajs), "generated_tokens": sum(sum(t.loss_mask) for t in trajs),
+            "turns_mean": sum(t.num_turns for t in trajs) / n, "tool_calls": sum(t.tool_calls for t in trajs),
+            "accuracy": sum(t.reward for t in trajs) / n, **extra,
+            **{f"tool_{k}": sum(t.tool_failures.get(k, 0) for t in trajs) for k in FAILURE_KINDS},
+            **{f"finish_{r}": sum(t.finish_reason == r for t in trajs) for r in FINISH_REASONS}}
 
 
 # -----------------------------------------------------------------------------
 # The reference driver: turn-synchronous, as most RL codebases do it. scheduler.py has the fast one.
 
 def rollout_lockstep(llm, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
-                     sampling=None, on_turn=None, offset: int = 0):
-    """Every active trajectory generates turn k, then all turn-k tool calls run as one sandbox
-    batch, then turn k+1. Returns (trajectories, stats). `sampling` and `on_turn` default to
-    sampling_params and end_turn; benchmarks and tests replace them to script a workload.
-    Problems are numbered from `offset` (their index in the whole batch: it seeds the sampling)."""
-    sampling, on_turn = sampling or sampling_params, on_turn or end_turn
+                     sampling=sampling_params, on_turn=end_turn, offset: int = 0):
+    """Turn k of every active trajectory, then all turn-k tool calls as one sandbox batch, then turn k+1. Returns
+    (trajectories, stats). Problems are numbered from `offset`, their index in the whole batch (it seeds sampling)."""
     from tqdm import tqdm
     trajs, t_start = start_trajectories(tokenizer, problems, n, offset), time.perf_counter()
     active, gen_s, tool_s = list(trajs), 0.0, 0.0
@@ -484,5 +397,4 @@ def rollout_lockstep(llm, tokenizer, sandbox, problems: list[dict], n: int, cfg:
             bar.update(sum(1 for t in active if t.finish_reason))
             active = [t for t in active if not t.finish_reason]
     finish(trajs, sandbox)
-    return trajs, batch_stats(trajs, gen_seconds=gen_s, tool_seconds=tool_s,
-                              wall_seconds=time.perf_counter() - t_start)
+    return trajs, batch_stats(trajs, gen_seconds=gen_s, tool_seconds=tool_s, wall_seconds=time.perf_counter() - t_start)

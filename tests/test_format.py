@@ -4,9 +4,8 @@ from collections import namedtuple
 
 import pytest
 
-from rollout import (IM_END, SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, count_answers, extract_answer,
-                     format_tool_response, grade, is_correct, parse_tool_call, render_messages,
-                     render_prompt, render_tool_call, render_tool_turn)
+from rollout import (IM_END, SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, extract_answer, format_tool_response, grade,
+                     parse_tool_call, render_messages, render_prompt, render_tool_call, render_tool_turn)
 
 # Same fields as sandbox.ExecResult; the format only reads them.
 Result = namedtuple("Result", "status stdout stderr seconds truncated", defaults=("", "", 0.0, False))
@@ -99,7 +98,7 @@ def test_long_output_is_cut_in_the_middle_to_max_chars():
     assert format_tool_response(Result("ok", "x" * 100), max_chars=100) == "x" * 100
 
 
-# -- extract_answer / count_answers ---------------------------------------------
+# -- extract_answer -------------------------------------------------------------
 
 @pytest.mark.parametrize("text, want", [
     ("</reason><answer>\\boxed{42}</answer>", "42"),
@@ -118,12 +117,6 @@ def test_extract_answer(text, want):
     assert extract_answer(text) == want
 
 
-def test_count_answers():
-    assert count_answers("<reason>x</reason><answer>\\boxed{1}</answer>") == 1
-    assert count_answers("<answer>a</answer><reason>y</reason><answer>b</answer>") == 2
-    assert count_answers("no answer") == 0
-
-
 # -- grading --------------------------------------------------------------------
 
 @pytest.mark.parametrize("answer, gold, want", [
@@ -133,15 +126,13 @@ def test_count_answers():
 ])
 def test_integer_fast_path(answer, gold, want):
     class NoSandbox:
-        def submit_verify(self, *a):
+        def verify_batch(self, pairs):
             raise AssertionError("plain numbers must be graded without the sandbox")
-    assert is_correct(answer, gold, sandbox=NoSandbox()) is want
+    assert grade([answer], [gold], sandbox=NoSandbox()) == [float(want)]
 
 
 def test_math_verify_path_without_sandbox():
-    assert is_correct("\\frac{84}{2}", "42")
-    assert is_correct("\\frac{1}{2}", "0.5")
-    assert not is_correct("\\frac{1}{3}", "0.5")
+    assert grade(["\\frac{84}{2}", "\\frac{1}{2}", "\\frac{1}{3}"], ["42", "0.5", "0.5"]) == [1.0, 1.0, 0.0]
 
 
 def test_grade_sends_only_undecided_answers_to_the_sandbox_in_one_batch():

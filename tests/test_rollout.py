@@ -56,6 +56,12 @@ def test_answer_turn_finishes_with_answer_and_counts_answers(tok):
     assert traj.loss_mask[-1] == 1
 
 
+def test_every_answer_block_is_counted_and_the_last_answer_counts(tok):
+    traj = fresh(tok)
+    turn(tok, traj, "</reason><answer>\\boxed{1}</answer><answer>\\boxed{408}</answer>" + IM_END, RolloutConfig())
+    assert (traj.num_answers, traj.answer) == (2, "408"), "GRPO-RoC's format penalty needs every <answer> counted"
+
+
 def test_turn_without_call_or_answer_is_no_tool_call(tok):
     traj = fresh(tok)
     assert turn(tok, traj, "I do not know.</reason>" + IM_END, RolloutConfig()) is None

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from rollout import (IM_END, extract_answer, format_tool_response, is_correct, parse_tool_call,  # noqa: E402
+from rollout import (IM_END, extract_answer, format_tool_response, grade, parse_tool_call,  # noqa: E402
                      render_messages, render_prompt, render_tool_turn)
 
 
@@ -85,7 +85,7 @@ def evaluate(model_dir, problems, max_turns=4, max_new_tokens=64, temperature=0.
                 s["failures"] += result.status != "ok"
                 s["ids"] += enc(render_tool_turn(format_tool_response(result)))
                 s["text"] += format_tool_response(result)
-    correct = [is_correct(s["answer"], p["answer"]) for s, p in zip(states, problems)]
+    correct = [r == 1.0 for r in grade([s["answer"] for s in states], [p["answer"] for p in problems])]
     tool = [s["first"] == "tool" for s in states]
     n, n_tool = len(states), sum(tool)
     return dict(
