@@ -270,9 +270,10 @@ def _call(source, stdin, cfg):
         _child(body, last, cwd, fds, cfg)  # never returns
     pidfd = os.pidfd_open(pid)
     ready = select.select([pidfd, cfg.parent_fd], [], [], cfg.timeout)[0]  # the caller's pipe stirs at EOF
-    for kill in (os.kill, os.killpg) if pidfd not in ready else ():  # the child and its process group
-        with contextlib.suppress(OSError):  # (then all else it started, just below)
-            kill(pid, signal.SIGKILL)
+    if pidfd not in ready:  # kill the child and its process group (and all else it started, just below)
+        for kill in (os.kill, os.killpg):
+            with contextlib.suppress(OSError):
+                kill(pid, signal.SIGKILL)
     code, seconds = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), time.monotonic() - start
     _kill_leftovers(cfg)
     if any(os.pread(fd, 4096, 0).count(b"\n") > 1 for fd in cfg.ipc):  # it left SysV IPC objects: leave
