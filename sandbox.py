@@ -23,7 +23,7 @@ As root, where the kernel allows namespaces (`Sandbox.isolation` says what held)
      bombs stop, and it cannot signal the trainer or the tests.
   9. No network: each worker has a new network namespace in which no interface is up.
  10. Each worker has a private mount namespace where all mounts are read-only and /tmp is a fresh
-     tmpfs: a call can write only inside its own directory.
+     tmpfs (/dev/shm if Python runs from /tmp): a call can write only inside its own directory.
 Not guaranteed: 8-10 without root or namespaces (code then runs as the caller). A call can read
 world-readable files, list /proc and burn CPU until its timeout; keyrings and POSIX message queues
 of its uid outlive it. The dropped uid can import only what its worker imported (Python lives
@@ -186,16 +186,20 @@ def _libc():
 
 def _isolate(tmpfs_mb):
     """As root, move this worker (and so every call it forks) into new network, IPC and mount
-    namespaces: no interface is up, every mount is read-only, /tmp is a fresh tmpfs."""
+    namespaces: no interface is up, every mount is read-only, /tmp is a fresh tmpfs (/dev/shm when
+    this Python or its packages live under /tmp, which the tmpfs would hide from the imports)."""
     got, libc = {"user": os.geteuid() == 0, "network": False, "filesystem": False}, _libc()
+    used = [sys.prefix, sys.base_prefix, __file__] + sys.path
+    under_tmp = any(q.startswith("/tmp/") for p in used if p for q in (os.path.abspath(p), os.path.realpath(p)))
+    scratch = b"/dev/shm" if under_tmp else b"/tmp"
     if os.geteuid() == 0:
         got["network"] = libc.unshare(CLONE_NEWNET | CLONE_NEWIPC) == 0
         if libc.unshare(CLONE_NEWNS) == 0 and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0:
             attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)  # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, RDONLY)
             ro = libc.syscall(ctypes.c_long(442), -100, b"/", 0x8000, attr, ctypes.c_size_t(32))
             opts = f"size={tmpfs_mb}m,mode=755".encode()
-            got["filesystem"] = ro == 0 and libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 6, opts) == 0  # nosuid,nodev
-    return got
+            got["filesystem"] = ro == 0 and libc.mount(b"tmpfs", scratch, b"tmpfs", 6, opts) == 0  # nosuid,nodev
+    return got, scratch.decode() if got["filesystem"] else None
 
 
 def _huge_pages():
@@ -350,7 +354,7 @@ def _worker(kind, uid, timeout, memory_mb, max_output):
     _libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no exec can raise privileges (set-uid programs)
     for res, lim in [(resource.RLIMIT_FSIZE, MAX_FILE), (resource.RLIMIT_CORE, 0)] + [(resource.RLIMIT_NPROC, 64)] * root:
         resource.setrlimit(res, (lim, lim))  # (NPROC binds a call once it is not root)
-    isolation = _isolate(tmpfs_mb=int(memory_mb))
+    isolation, scratch = _isolate(tmpfs_mb=int(memory_mb))
     for name in FULL if kind == "full" else LIGHT:
         importlib.import_module(name)
     with warnings.catch_warnings():
@@ -366,7 +370,7 @@ def _worker(kind, uid, timeout, memory_mb, max_output):
     _huge_pages()
     base_mb = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") >> 20
     cfg = types.SimpleNamespace(uid=int(uid) if root else None, timeout=float(timeout), max_output=int(max_output),
-                                limit_mb=base_mb + int(memory_mb), tmp=tempfile.mkdtemp(), calls=itertools.count(),
+                                limit_mb=base_mb + int(memory_mb), tmp=tempfile.mkdtemp(dir=scratch), calls=itertools.count(),
                                 parent_fd=requests.fileno(), children=os.open(f"/proc/self/task/{os.getpid()}/children", 0),
                                 ipc=[os.open(p, os.O_RDONLY) for p in IPC] if root else [])
     os.chmod(cfg.tmp, 0o711)  # calls may pass through to their own directories, not list or change it

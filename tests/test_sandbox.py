@@ -3,6 +3,7 @@ Most tests share one two-slot Sandbox; the ones that kill workers or close a san
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -249,6 +250,21 @@ def test_code_cannot_kill_its_worker_or_the_test_process(sb):
         assert r.status == "error" and "PermissionError" in r.stderr, r
     r = sb.run("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('alone')")  # all it may signal: none
     assert r.stdout == "alone\n" and sb.run("print(1)").stdout == "1\n"
+
+
+def test_a_python_that_lives_under_tmp_still_imports(sb, tmp_path):
+    # A clone in /tmp runs its .venv from there: the fresh tmpfs must not hide it from the worker.
+    needs(sb, "filesystem")
+    if not str(tmp_path).startswith("/tmp/"):
+        pytest.skip(f"pytest's temporary directory {tmp_path} is not under /tmp")
+    (tmp_path / "venv").symlink_to(os.path.realpath(sys.prefix))
+    (tmp_path / "sandbox.py").symlink_to(os.path.join(ROOT, "sandbox.py"))
+    script = ("from sandbox import Sandbox\n"
+              "with Sandbox(workers=1) as sb:\n"
+              "    print(sb.run('import numpy, sympy; print(numpy.int64(6) * 7, sympy.factorint(12))'))")
+    out = subprocess.run([str(tmp_path / "venv/bin/python"), "-c", script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert "status='ok', stdout='42 {2: 2, 3: 1}" in out.stdout, f"a sandbox run from /tmp failed: {out}"
 
 
 def test_files_cannot_be_written_outside_the_call_directory(sb):
