@@ -1,10 +1,9 @@
 """The code sandbox: a forked process pool that runs model-written Python and grades answers.
 
-Each worker slot has two long-lived processes started from a clean interpreter (never forked from
-the caller): "light", with the standard library modules math code uses most, and "full", with more
-of the standard library, numpy, sympy and math-verify, warmed up. Each call runs in a fresh child
-forked from "full" if its code names a module only "full" has (answer checks do), else from
-"light", whose smaller memory forks faster.
+Each slot has two long-lived workers started from a clean interpreter (never forked from the caller):
+"light" (the standard library math code uses most) and "full" (more of it, numpy, sympy, math-verify,
+warmed up). Each call runs in a fresh child forked from "full" if its code names a module only "full"
+has, else from "light", whose smaller memory forks faster.
 
 Guaranteed (each has an adversarial test in tests/test_sandbox.py):
   1. Nothing the code does raises in the caller: it gets an ExecResult, status ok, error (exception,
@@ -50,8 +49,7 @@ class ExecResult:
 
 
 KILLED = {"status": "killed", "stdout": "", "stderr": "the sandbox worker died", "seconds": 0.0}
-# An answer check is code too (run confined, like the model's). Each side is wrapped in \boxed{}
-# so that plain answers such as "3/4", "\frac{3}{4}" or "0.75" parse.
+# An answer check runs confined, like the model's code; \boxed{} makes "3/4", "\frac{3}{4}", "0.75" parse.
 VERIFY = """from math_verify import parse, verify
 gold, answer = (parse("\\\\boxed{{" + s + "}}") for s in ({gold!r}, {answer!r}))
 print(bool(gold and answer and verify(gold, answer)))"""
@@ -136,8 +134,7 @@ class Sandbox:
 
 
 def _ask(proc, request, timeout, lock):
-    """Send one request (None: none) and return the reply, or None if the worker is gone. Messages
-    both ways are marshal data: both sides run this same Python, and it is cheaper than JSON."""
+    """Send one request (None: none) and return the reply, None if the worker is gone (marshal: same Python)."""
     try:
         with lock:  # (so that close() cannot close a worker's stdin in the middle of a write)
             proc.stdin.write(b"" if request is None else marshal.dumps(request))
@@ -175,7 +172,7 @@ WARM = ["from sympy import *\nfrom math_verify import parse, verify\nx = Symbol(
         "simplify(sin(x)**2 + cos(x)**2), integrate(x * exp(x), x), limit(sin(x) / x, x, 0), series(cos(x), x, 0, 4)\n"
         "verify(parse('\\\\boxed{\\\\frac{1}{2}}'), parse('\\\\boxed{0.5}'))", "x = [1]\nx[0] / 0"]
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, MS_REC, MS_PRIVATE = 0x20000, 0x8000000, 0x40000000, 0x4000, 0x40000
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, MADV_COLLAPSE = 1, 36, 38, 25
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 IPC = [f"/proc/sysvipc/{k}" for k in ("shm", "sem", "msg")]
 
 
@@ -200,18 +197,6 @@ def _isolate(tmpfs_mb):
             opts = f"size={tmpfs_mb}m,mode=755".encode()
             got["filesystem"] = ro == 0 and libc.mount(b"tmpfs", scratch, b"tmpfs", 6, opts) == 0  # nosuid,nodev
     return got, scratch.decode() if got["filesystem"] else None
-
-
-def _huge_pages():
-    """Put the warm heap in 2 MB pages where the kernel can (MADV_COLLAPSE, Linux 6.1+): a fork copies,
-    and an exit frees, one page-table entry for each instead of 512; a child still copies 4 KB pages."""
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        if fields[1] == "rw-p" and (len(fields) == 5 or fields[5] == "[heap]"):  # anonymous memory
-            start, end = (int(a, 16) for a in fields[0].split("-"))
-            start, end = -(-start >> 21) << 21, end >> 21 << 21  # the whole 2 MB pages inside
-            if end > start:
-                _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_COLLAPSE)
 
 
 def _kill_leftovers(cfg, force=False):
@@ -367,7 +352,6 @@ def _worker(kind, uid, timeout, memory_mb, max_output):
         for cell in WARM[kind == "light":]:
             _run(*_compile(cell))
     gc.collect(), gc.freeze()  # the warm heap stays out of the children's garbage collections
-    _huge_pages()
     base_mb = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") >> 20
     cfg = types.SimpleNamespace(uid=int(uid) if root else None, timeout=float(timeout), max_output=int(max_output),
                                 limit_mb=base_mb + int(memory_mb), tmp=tempfile.mkdtemp(dir=scratch), calls=itertools.count(),
