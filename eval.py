@@ -171,8 +171,6 @@ def main(argv=None, llm=None):
         rank = init_distributed()[0]
     master = rank == 0
     import torch
-    if args.tool_workers is None:
-        args.tool_workers = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if args.memory_fraction is None:
         args.memory_fraction = 0.85 if torch.cuda.is_available() else 0.2
 
@@ -223,6 +221,7 @@ def main(argv=None, llm=None):
     # -- rollouts
     t0 = time.perf_counter()
     with Sandbox(workers=args.tool_workers, timeout=args.tool_timeout) as sandbox:
+        args.tool_workers = sandbox.workers  # (the default, resolved, goes into eval_config.json)
         rows, samples = evaluate(llm, tokenizer, sandbox, benchmarks, cfg, n, distributed)
     seconds = time.perf_counter() - t0
 

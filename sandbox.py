@@ -65,7 +65,9 @@ class Sandbox:
         self.timeout, self.memory_mb, self.max_output = timeout, memory_mb, max_output
         self.isolation = {}  # {"user", "network", "filesystem"} -> bool, as the workers found
         self._procs, self._modules, self._lock, self._closed = {}, {}, threading.Lock(), False
-        self._uids = [2**30 + (os.getpid() << 8) + next(_slots) % 256 for _ in range(workers or os.cpu_count() or 1)]
+        # default: one worker per core, the cores shared among the node's ranks under torchrun
+        self.workers = workers or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        self._uids = [2**30 + (os.getpid() << 8) + next(_slots) % 256 for _ in range(self.workers)]
         self._slot, uids = threading.local(), iter(self._uids)  # each thread of the pool owns a slot:
         self._pool = ThreadPoolExecutor(len(self._uids), initializer=lambda: setattr(self._slot, "uid", next(uids)))
         with ThreadPoolExecutor(2 * len(self._uids)) as ex:  # start all workers at once

@@ -53,7 +53,7 @@ STAGES = {  # paper §4.3
 PRESETS = {  # the toy world on a CPU: the SFT'd toy model, minutes not days
     "toy": dict(model="runs/toy_sft", data="data/toy/train.jsonl", out_dir="runs/toy_rl", steps=20,
                 problems_per_step=16, rollouts_per_problem=8, group_size=4, max_response=384,
-                max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2, micro_batch_tokens=8192, memory_fraction=0.2,
+                max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2, memory_fraction=0.2,
                 save_every=10, sample_every=5),
 }
 
@@ -138,8 +138,7 @@ pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else token
 
 llm = make_engine(args.model, max_model_len=args.max_prompt + args.max_response, seed=args.seed,
                   memory_fraction=args.memory_fraction, external_launcher=world_size > 1)
-local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-sandbox = Sandbox(workers=max(1, (os.cpu_count() or 2) // local_world), timeout=args.tool_timeout)
+sandbox = Sandbox(timeout=args.tool_timeout)  # one worker per core, shared among the node's ranks
 kv_tokens = kv_capacity_tokens(llm)
 sleep(llm)
 
