@@ -44,7 +44,8 @@ def get_args(argv=None):
     parser.add_argument("--max-response", type=int, default=30000, help="token budget per trajectory, sampled and tool tokens together")
     parser.add_argument("--max-turns", type=int, default=30, help="assistant turns per trajectory (T)")
     parser.add_argument("--max-model-len", type=int, default=None, help="engine context; default: longest prompt + --max-response, capped at the model's context")
-    parser.add_argument("--memory-fraction", type=float, default=None, help="share of GPU memory (on CPU: of RAM) for vLLM; default 0.85 on GPU, 0.2 on CPU")
+    parser.add_argument("--memory-fraction", type=float, default=0.85, help="GPUs: share of GPU memory for vLLM (weights + KV cache)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="CPUs: the engine's KV cache in tokens (default: rollout.CPU_KV_CACHE_TOKENS)")
     parser.add_argument("--tool-workers", type=int, default=None, help="sandbox workers per rank (default: the CPU cores shared among the node's ranks)")
     parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds a tool call may run")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (every turn of every sample derives its own)")
@@ -170,9 +171,6 @@ def main(argv=None, llm=None):
         from sft import init_distributed
         rank = init_distributed()[0]
     master = rank == 0
-    import torch
-    if args.memory_fraction is None:
-        args.memory_fraction = 0.85 if torch.cuda.is_available() else 0.2
 
     # -- data (before the engine: the longest prompt sizes its context)
     from transformers import AutoConfig, AutoTokenizer
@@ -214,7 +212,7 @@ def main(argv=None, llm=None):
     from sandbox import Sandbox
     if llm is None:
         llm = make_engine(args.model, args.max_model_len, seed=args.seed, memory_fraction=args.memory_fraction,
-                          external_launcher=distributed)
+                          kv_cache_tokens=args.kv_cache_tokens, external_launcher=distributed)
     cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed)
 

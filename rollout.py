@@ -84,10 +84,15 @@ def render_tool_turn(response_text: str) -> str:
     return f"\n{IM_START}user\n<tool_response>\n{response_text}\n</tool_response>{IM_END}\n{ASSISTANT_OPEN}"
 
 
-def render_tool_call(code: str, stdin: str = "") -> str:
-    """A tool call as the assistant writes it at the end of its turn."""
-    call = {"name": TOOL_NAME, "arguments": {"code": code, "input": stdin}}
+def render_function_call(name: str, arguments: dict) -> str:
+    """A function call as the assistant writes it at the end of its turn (JSON in <tool_call>)."""
+    call = {"name": name, "arguments": arguments}
     return f"\n<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+
+
+def render_tool_call(code: str, stdin: str = "") -> str:
+    """A call of the Python tool."""
+    return render_function_call(TOOL_NAME, {"code": code, "input": stdin})
 
 
 def render_assistant_turn(message: dict) -> str:
@@ -124,8 +129,10 @@ def render_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[in
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
-_DECIMAL_RE = re.compile(r"[+-]?\d+(\.\d*)?")  # grading: a plain number
-_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
+_NUMBER_WRAPPERS = [re.compile(p, re.DOTALL) for p in
+                    (r"^\$+(.*?)\$+$", r"^\\\((.*)\\\)$", r"^\\\[(.*)\\\]$", r"^\\boxed\s*\{(.*)\}$")]
+_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}([, ]\d{3})+")
+_DECIMAL_RE = re.compile(r"[+-]?\d+(\.\d*)?")
 
 
 def parse_tool_call(text: str) -> None | tuple[str, str] | str:
@@ -193,14 +200,24 @@ def format_tool_response(result, max_chars: int = MAX_TOOL_RESPONSE_CHARS) -> st
 
 # -- grading (DESIGN.md §3 "Reward") --------------------------------------------
 
-def _as_number(s: str) -> int | float | None:
-    """A plain number as written: " 42 ", "+42", "1,000", "1{,}000", "42.0", "$42$"; else None (fractions, ...)."""
-    s = s.strip().strip("$").strip().replace("{,}", ",").replace("\\!", "").replace(" ", "")
+def as_number(text: str) -> int | float | None:
+    """A plain number as written, else None (fractions, expressions, units, lists...). Accepted around
+    it: whitespace, $...$, \\(...\\), \\[...\\], \\boxed{...} and a final period, in any order; within
+    it: a sign, leading zeros, thousands separators ("1,000", "1{,}000", "1\\,000", "1 000") and a
+    decimal point. An integer ("12.0" included) comes back as an int, exact however large."""
+    s, before = str(text).strip(), None
+    while s != before:  # peel the wrappers: "$\\boxed{12}$", "\\boxed{$12$}."
+        before = s
+        s = s.rstrip(".").strip()
+        for wrapper in _NUMBER_WRAPPERS:
+            s = wrapper.sub(r"\1", s).strip()
+    s = s.replace("{,}", ",").replace("\\,", ",").replace("\\!", "")
     if _THOUSANDS_RE.fullmatch(s):
-        s = s.replace(",", "")
-    if _DECIMAL_RE.fullmatch(s):
-        return float(s) if "." in s else int(s)  # an int compares exactly however large it is
-    return None
+        s = s.replace(",", "").replace(" ", "")
+    if not _DECIMAL_RE.fullmatch(s):
+        return None
+    whole, _, fraction = s.partition(".")
+    return float(s) if fraction.strip("0") else int(whole)
 
 
 def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[float]:
@@ -211,7 +228,7 @@ def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[flo
     for i, (answer, gold) in enumerate(zip(answers, golds)):
         if answer is None:
             continue
-        a, g = _as_number(answer), _as_number(gold)
+        a, g = as_number(answer), as_number(gold)
         if a is None or g is None:
             undecided.append(i)
         else:
@@ -231,25 +248,51 @@ def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[flo
 # -----------------------------------------------------------------------------
 # The vLLM engine. Each vLLM-specific detail lives in one named function (vllm 0.32).
 
+def kv_bytes_per_token(model: str, dtype_bytes: int) -> int:
+    """KV-cache bytes one token takes in every layer: keys and values, each KV heads x head size."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+CPU_KV_CACHE_TOKENS = 65536  # the CPU default: 256 MB for the toy model, 3 GB for a 135M Llama
+CPU_BLOCK = 128              # tokens per KV-cache block (vLLM 0.32's CPU default)
+
+
 def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: float = 0.5,
-                external_launcher: bool = False):
-    """The vLLM engine for this hardware: bf16 + sleep mode on GPUs, fp32 + eager mode on CPUs."""
+                kv_cache_tokens: int | None = None, external_launcher: bool = False):
+    """The vLLM engine for this hardware. GPUs: bf16, sleep mode, `memory_fraction` of the GPU for
+    weights and KV cache. CPUs: fp32, eager mode, a KV cache of `kv_cache_tokens` tokens. (vLLM 0.32
+    on CPU turns a fraction into fraction x the NUMA node's memory minus this process's RSS, which is
+    negative on a machine with an 11 GB node: the cache is sized in bytes, the same on every machine.)"""
     # In-process engine core: weights can then be handed over as tensors (see sync_weights).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     from vllm import LLM
-    kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
-                  gpu_memory_utilization=memory_fraction)  # on CPU: the share of RAM for vLLM
+    kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True)
     if torch.cuda.is_available():
-        kwargs.update(dtype="bfloat16", enable_sleep_mode=True)
-    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt split by chunked
-        # prefill makes vllm 0.32 rewind the request's seeded generator, which CPU generators cannot do
-        # ("CPU Generator does not use offset"): prefill prompts whole.
+        kwargs.update(dtype="bfloat16", enable_sleep_mode=True, gpu_memory_utilization=memory_fraction)
+    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt split by
+        # chunked prefill makes vllm 0.32 rewind the request's seeded generator, which CPU generators
+        # cannot do ("CPU Generator does not use offset"): prefill prompts whole.
+        kv_cache_tokens = kv_cache_tokens or CPU_KV_CACHE_TOKENS
+        blocks = -(-kv_cache_tokens // CPU_BLOCK) + 1  # whole blocks, and the null block vLLM sets aside
         kwargs.update(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
-                      max_num_batched_tokens=max(max_model_len, 8192))
+                      max_num_batched_tokens=max(max_model_len, 8192), block_size=CPU_BLOCK,
+                      kv_cache_memory_bytes=blocks * CPU_BLOCK * kv_bytes_per_token(model, dtype_bytes=4))
     if external_launcher:  # under torchrun: one engine per rank, inside the ranks' process group
         kwargs["distributed_executor_backend"] = "external_launcher"
-    return LLM(**kwargs)
+    try:
+        return LLM(**kwargs)
+    except ValueError as e:
+        if "kv_cache_memory_bytes" not in kwargs or "memory" not in str(e):
+            raise
+        gib = kwargs["kv_cache_memory_bytes"] / 2**30
+        raise RuntimeError(f"{e}\n---> HINT: a KV cache of {kv_cache_tokens} tokens ({gib:.2f} GiB) does not "
+                           f"fit in this machine's free memory: ask for fewer (--kv-cache-tokens) or free "
+                           f"some memory") from None
 
 
 def sync_weights(llm, named_tensors) -> None:
@@ -270,9 +313,10 @@ def wake(llm) -> None:
 
 
 def kv_capacity_tokens(llm) -> int:
-    """How many tokens the engine's KV cache holds (vllm 0.32 keeps it in the cache config)."""
+    """How many tokens the engine's KV cache holds: vllm 0.32 keeps the block count in the cache
+    config, one of which (the null block) never holds a token."""
     cache = llm.llm_engine.vllm_config.cache_config
-    return cache.num_gpu_blocks * cache.block_size
+    return (cache.num_gpu_blocks - 1) * cache.block_size
 
 
 # -----------------------------------------------------------------------------

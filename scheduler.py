@@ -180,6 +180,7 @@ def bench():
     p.add_argument("--problems", type=int, default=32, help="problems in the batch")
     p.add_argument("--samples", type=int, default=4, help="rollouts per problem")
     p.add_argument("--seed", type=int, default=0, help="the workload is a function of this")
+    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="the engine's KV cache in tokens")
     args = p.parse_args()
     # A shared CPU: vLLM's default of one OpenMP thread pinned to each core makes every step wait
     # for the busiest core (steps several times slower); one unpinned thread suits a tiny model.
@@ -225,7 +226,7 @@ def bench():
           f"{statistics.median(tools):.2f}, max {tools[-1]:.2f}), sampled tokens per trajectory: "
           f"median {statistics.median(tokens):.0f}, max {tokens[-1]}")
     with Sandbox(workers=8, timeout=10.0) as sandbox:
-        llm = make_engine(args.model, max_model_len=max_len, memory_fraction=0.12)
+        llm = make_engine(args.model, max_model_len=max_len, kv_cache_tokens=args.kv_cache_tokens)
         tok, walls, kv = llm.get_tokenizer(), {}, kv_capacity_tokens(llm)
         longest_prompt = max(len(t.prompt_ids) for t in start_trajectories(tok, problems, 1))
         cfg = RolloutConfig(max_response=max_len - longest_prompt)        # one trajectory fills max_len

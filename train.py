@@ -53,7 +53,7 @@ STAGES = {  # paper §4.3
 PRESETS = {  # the toy world on a CPU: the SFT'd toy model, minutes not days
     "toy": dict(model="runs/toy_sft", data="data/toy/train.jsonl", out_dir="runs/toy_rl", steps=20,
                 problems_per_step=16, rollouts_per_problem=8, group_size=4, max_response=384,
-                max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2, memory_fraction=0.2,
+                max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2,
                 save_every=10, sample_every=5),
 }
 
@@ -77,7 +77,8 @@ parser.add_argument("--max-prompt", type=int, default=2048, help="longest prompt
 parser.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
 parser.add_argument("--driver", choices=["scheduler", "lockstep"], default="scheduler", help="rollout driver (lockstep: the simple baseline)")
 parser.add_argument("--kv-overcommit", type=float, default=1.0, help="admit rollouts up to this times the KV-cache capacity")
-parser.add_argument("--memory-fraction", type=float, default=0.5, help="share of GPU memory (CPU: RAM) for the vLLM engine")
+parser.add_argument("--memory-fraction", type=float, default=0.5, help="GPUs: share of GPU memory for the vLLM engine (weights + KV cache)")
+parser.add_argument("--kv-cache-tokens", type=int, default=None, help="CPUs: the engine's KV cache in tokens (default: rollout.CPU_KV_CACHE_TOKENS)")
 parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds per tool call")
 parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant after warm-up)")
 parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
@@ -137,7 +138,8 @@ pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else token
 # the trainer runs; a sandbox pool per rank sized to its share of the node's cores.
 
 llm = make_engine(args.model, max_model_len=args.max_prompt + args.max_response, seed=args.seed,
-                  memory_fraction=args.memory_fraction, external_launcher=world_size > 1)
+                  memory_fraction=args.memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
+                  external_launcher=world_size > 1)
 sandbox = Sandbox(timeout=args.tool_timeout)  # one worker per core, shared among the node's ranks
 kv_tokens = kv_capacity_tokens(llm)
 sleep(llm)

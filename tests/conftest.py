@@ -15,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+KV_CACHE_TOKENS = 65536  # the shared engine's KV cache: 256 MB for the toy model, on any machine
 CACHE = Path(os.environ.get("RSTAR2_TEST_CACHE", Path.home() / ".cache" / "rstar2-agent"))
 
 
@@ -75,6 +76,6 @@ def sandbox():
 def toy_engine(toy_sft_model):
     """One vLLM engine on the SFT'd toy model for the whole session (an engine costs ~1 minute)."""
     from rollout import make_engine
-    llm = make_engine(str(toy_sft_model), max_model_len=1024, seed=0, memory_fraction=0.2)
+    llm = make_engine(str(toy_sft_model), max_model_len=1024, seed=0, kv_cache_tokens=KV_CACHE_TOKENS)
     yield llm
     del llm

@@ -263,3 +263,24 @@ def test_an_infinite_loop_costs_one_timeout_not_the_batch(toy_engine, sandbox, p
     assert sum(t.tool_failures.get("timeout", 0) for t in trajs) == 1, "only the looping call may time out"
     assert all(t.finish_reason for t in trajs)
     assert stats["tool_seconds"] < 2 * sandbox.timeout + 5, "the loop must cost one timeout, not more"
+
+
+# -- the engine's size does not depend on the machine ------------------------------------------
+
+@pytest.mark.slow
+def test_the_engine_starts_on_a_small_numa_node_with_the_kv_cache_it_was_asked_for(toy_engine, toy_sft_model,
+                                                                                      monkeypatch):
+    """vLLM 0.32 on CPU sized a fraction of the NUMA node minus this process's RSS: on an 11 GB node with
+    10 GB in use that is negative, and the engine did not start. The cache is asked for in tokens."""
+    from vllm.utils.cpu_resource_utils import MemoryNodeInfo
+    import vllm.v1.worker.cpu_worker as cpu_worker
+    from conftest import KV_CACHE_TOKENS
+    from rollout import CPU_BLOCK, kv_capacity_tokens, make_engine
+    assert kv_capacity_tokens(toy_engine) == KV_CACHE_TOKENS, "the shared engine must hold what it was asked for"
+    node = MemoryNodeInfo(total_memory=int(11.21 * 2**30), available_memory=int(1.16 * 2**30))
+    monkeypatch.setattr(cpu_worker, "get_memory_node_info", lambda *_: node)
+    small = make_engine(str(toy_sft_model), max_model_len=512, kv_cache_tokens=10 * CPU_BLOCK + 1)
+    assert kv_capacity_tokens(small) == 11 * CPU_BLOCK, "asked tokens round up to whole blocks, no more"
+    del small  # (not shut down: that would tear down the process group the shared engine lives in)
+    with pytest.raises(RuntimeError, match="HINT: a KV cache of 400000 tokens .* ask for fewer"):
+        make_engine(str(toy_sft_model), max_model_len=512, kv_cache_tokens=400_000)  # 1.5 GiB > 1.16 GiB free

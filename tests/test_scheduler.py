@@ -184,7 +184,7 @@ def _rank_main(model: str, out: str):
     from scheduler import SharedCounter
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    llm = make_engine(model, max_model_len=512, memory_fraction=0.05, external_launcher=True)
+    llm = make_engine(model, max_model_len=512, kv_cache_tokens=4096, external_launcher=True)
     tok, cfg, handled = llm.get_tokenizer(), RolloutConfig(max_response=64), set()
     problems = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
 
