@@ -24,8 +24,9 @@ import os
 import time
 from collections import defaultdict
 
-from rollout import RolloutConfig, kv_capacity_tokens, make_engine, render_prompt
-from scheduler import SharedCounter, rollout_scheduled
+from rollout import RolloutConfig, make_engine, render_prompt
+from scheduler import ProblemQueue, rollout_scheduled
+from training import read_problems
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's evaluation settings (1); --filter-solved uses training's (4).
@@ -124,10 +125,22 @@ def select_unsolved(problems: list[dict], samples: list[dict], k: int) -> list[d
     return [p for i, p in enumerate(problems) if solved[i] < k]
 
 
-def short_names(benchmarks: list[str]) -> list[str]:
-    """Table names: a JSONL path by its file name without .jsonl, unless two would collide."""
-    names = [os.path.basename(b)[:-len(".jsonl")] if b.endswith(".jsonl") else b for b in benchmarks]
-    return names if len(set(names)) == len(names) else list(benchmarks)
+def benchmark_path(benchmark: str, eval_dir: str) -> str:
+    """A benchmark's JSONL: a path as given, a name (aime24, ...) in eval_dir, written by prepare_eval.py."""
+    if benchmark.endswith(".jsonl") or os.path.exists(benchmark):
+        return benchmark
+    path = os.path.join(eval_dir, f"{benchmark}.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such benchmark file\n---> HINT: `python data/prepare_eval.py "
+                                f"--out-dir {eval_dir}` downloads aime24, aime25, hmmt25 and math500; "
+                                f"or pass the path of a JSONL with a question and an answer per line")
+    return path
+
+
+def short_names(paths: list[str]) -> list[str]:
+    """Table names: each file's name without .jsonl, unless two would collide (then the paths)."""
+    names = [os.path.basename(p).removesuffix(".jsonl") for p in paths]
+    return names if len(set(names)) == len(names) else list(paths)
 
 
 # -----------------------------------------------------------------------------
@@ -144,9 +157,8 @@ def evaluate(llm, tokenizer, sandbox, benchmarks: dict[str, list[dict]], cfg: Ro
     for name, probs in benchmarks.items():
         names += [(name, i) for i in range(len(probs))]
         problems += probs
-    counter = SharedCounter(f"eval/{next(_batches)}", distributed=True) if distributed else None
-    trajs, _ = rollout_scheduled(llm.llm_engine, tokenizer, sandbox, problems, n, cfg,
-                                 kv_tokens=kv_capacity_tokens(llm), counter=counter)
+    problem_queue = ProblemQueue(f"eval/{next(_batches)}", distributed=distributed)
+    trajs, _ = rollout_scheduled(llm.llm_engine, tokenizer, sandbox, problems, n, cfg, problem_queue)
     samples = [{"benchmark": names[t.index][0], "problem": names[t.index][1], "sample": t.sample,
                 "question": problems[t.index]["question"], "gold": t.gold, "answer": t.answer,
                 "reward": t.reward, "finish_reason": t.finish_reason, "turns": t.num_turns,
@@ -168,25 +180,15 @@ def main(argv=None, llm=None):
     distributed, rank = "RANK" in os.environ, 0
     if distributed:
         import torch.distributed as dist
-        from sft import init_distributed
+        from training import init_distributed
         rank = init_distributed()[0]
     master = rank == 0
 
     # -- data (before the engine: the longest prompt sizes its context)
     from transformers import AutoConfig, AutoTokenizer
-    from data.prepare_eval import load_benchmark
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    if distributed and rank != 0:
-        dist.barrier()  # rank 0 loads first: it downloads what is missing
-    if filtering:
-        load_benchmark(args.data)  # checks that every line has a question and an answer
-        benchmarks = {short_names([args.data])[0]: [json.loads(line) for line in open(args.data, encoding="utf-8") if line.strip()]}
-    else:
-        benchmarks = {name: load_benchmark(b, args.eval_dir) for name, b in zip(short_names(args.benchmarks), args.benchmarks)}
-    if distributed and rank == 0:
-        dist.barrier()
-    if any(not probs for probs in benchmarks.values()):
-        raise ValueError(f"no problems in {[b for b, p in benchmarks.items() if not p]}\n---> HINT: check the JSONL files")
+    paths = [args.data] if filtering else [benchmark_path(b, args.eval_dir) for b in args.benchmarks]
+    benchmarks = {name: read_problems(path) for name, path in zip(short_names(paths), paths)}
     prompts = [render_prompt(p["question"]) for probs in benchmarks.values() for p in probs]
     longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
     context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)

@@ -1,13 +1,12 @@
 """Multi-turn tool rollouts: the conversation format and the agent loop.
 
 The format (paper Fig. 3) is rendered here for SFT, RL and eval. The agent loop is a per-trajectory state machine
-that any driver can step: `rollout_lockstep` below is the readable turn-synchronous one, scheduler.py the fast one.
+that a driver steps (scheduler.py has two: the turn-synchronous baseline and the load-balanced scheduler).
 Trajectories are built from token ids, never by re-tokenizing text: the trainer scores exactly the sampled ids.
 """
 import json
 import os
 import re
-import time
 from dataclasses import dataclass, field
 
 # -----------------------------------------------------------------------------
@@ -312,10 +311,10 @@ def wake(llm) -> None:
         llm.wake_up()
 
 
-def kv_capacity_tokens(llm) -> int:
-    """How many tokens the engine's KV cache holds: vllm 0.32 keeps the block count in the cache
+def kv_capacity_tokens(engine) -> int:
+    """How many tokens an LLMEngine's KV cache holds: vllm 0.32 keeps the block count in the cache
     config, one of which (the null block) never holds a token."""
-    cache = llm.llm_engine.vllm_config.cache_config
+    cache = engine.vllm_config.cache_config
     return (cache.num_gpu_blocks - 1) * cache.block_size
 
 
@@ -331,6 +330,7 @@ class RolloutConfig:
     top_p: float = 1.0
     seed: int = 0                  # every turn of every rollout gets its own seed derived from this
     max_tool_chars: int = MAX_TOOL_RESPONSE_CHARS
+    kv_budget: int | None = None   # the scheduler admits within this many KV tokens (None: the engine's cache)
 
 
 def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0) -> list[Trajectory]:
@@ -340,12 +340,15 @@ def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0)
             for i, (p, ids) in enumerate(zip(problems, prompts)) for s in range(n)]
 
 
+def turn_seed(traj: Trajectory, cfg: RolloutConfig) -> int:
+    """The sampling seed of the trajectory's next turn: the same whichever driver or batch runs it."""
+    return hash((cfg.seed, traj.index, traj.sample, traj.num_turns)) % 2**31
+
+
 def sampling_params(traj: Trajectory, cfg: RolloutConfig, tokenizer):
-    """The next turn's sampling: what is left of the budget, stop at <|im_end|>, and a seed of its own, so a
-    trajectory samples the same tokens whichever driver or batch it runs in."""
+    """The next turn's sampling: what is left of the budget, stop at <|im_end|>, a seed of its own."""
     from vllm import SamplingParams
-    seed = hash((cfg.seed, traj.index, traj.sample, traj.num_turns)) % 2**31
-    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed, logprobs=0,
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=turn_seed(traj, cfg), logprobs=0,
                           max_tokens=cfg.max_response - len(traj.response_ids),
                           stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END)])
 
@@ -413,32 +416,3 @@ def batch_stats(trajs: list[Trajectory], **extra) -> dict:
             "accuracy": sum(t.reward for t in trajs) / n, **extra,
             **{f"tool_{k}": sum(t.tool_failures.get(k, 0) for t in trajs) for k in FAILURE_KINDS},
             **{f"finish_{r}": sum(t.finish_reason == r for t in trajs) for r in FINISH_REASONS}}
-
-
-# -----------------------------------------------------------------------------
-# The reference driver: turn-synchronous, as most RL codebases do it. scheduler.py has the fast one.
-
-def rollout_lockstep(llm, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
-                     sampling=sampling_params, on_turn=end_turn, offset: int = 0):
-    """Turn k of every active trajectory, then all turn-k tool calls as one sandbox batch, then turn k+1. Returns
-    (trajectories, stats). Problems are numbered from `offset`, their index in the whole batch (it seeds sampling)."""
-    from tqdm import tqdm
-    trajs, t_start = start_trajectories(tokenizer, problems, n, offset), time.perf_counter()
-    active, gen_s, tool_s = list(trajs), 0.0, 0.0
-    with tqdm(total=len(trajs), desc="rollouts", unit="traj", leave=False) as bar:
-        while active:
-            t0 = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": t.prompt_ids + t.response_ids} for t in active],
-                                [sampling(t, cfg, tokenizer) for t in active], use_tqdm=False)
-            gen_s += time.perf_counter() - t0
-            calls = [(t, on_turn(t, *sampled(o.outputs[0]), tokenizer, cfg)) for t, o in zip(active, outs)]
-            calls = [(t, c) for t, c in calls if c is not None]
-            t0 = time.perf_counter()
-            results = iter(sandbox.run_batch([c for _, c in calls if not isinstance(c, str)]))
-            for t, c in calls:
-                add_tool_turn(t, c if isinstance(c, str) else next(results), tokenizer, cfg)
-            tool_s += time.perf_counter() - t0
-            bar.update(sum(1 for t in active if t.finish_reason))
-            active = [t for t in active if not t.finish_reason]
-    finish(trajs, sandbox)
-    return trajs, batch_stats(trajs, gen_seconds=gen_s, tool_seconds=tool_s, wall_seconds=time.perf_counter() - t_start)

@@ -6,12 +6,11 @@ tool call and instruction following, with the loss on assistant tokens only.
 
 1. Defaults are the paper's: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128.
 2. Conversations are rendered by rollout.render_messages: loss_mask = assistant tokens.
-3. FSDP2 per decoder layer (bf16 compute on GPU); `python sft.py` is a group of one.
-4. A step's batch is dealt across ranks, then cut into length-sorted micro-batches.
+3. FSDP2 per decoder layer (bf16 compute on GPU); `python sft.py` is a group of one (training.py).
+4. A step's batch is dealt across ranks and cut into micro-batches (training.plan_micro_batches).
 5. Loss = mean over the step's assistant tokens (global count): any split, same gradient.
 """
 import argparse
-import copy
 import json
 import math
 import os
@@ -19,14 +18,12 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rollout import render_messages
+from training import (empty_pass, init_distributed, plan_micro_batches, right_pad, save_hf_checkpoint,
+                      shard_model, token_logprobs)
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's recipe; a preset replaces some of them.
@@ -40,60 +37,36 @@ PRESETS = {
 
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description="Supervised fine-tuning on chat JSONL, loss on assistant tokens only.")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named set of defaults; explicit flags win")
-    parser.add_argument("--model", default="Qwen/Qwen3-14B-Base", help="HF causal LM to start from (path or hub name)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a named set of defaults; explicit flags win")
+    parser.add_argument("--model", default="Qwen/Qwen3-14B-Base",
+                        help="HF causal LM to start from (path or hub name)")
     parser.add_argument("--data", default="data/sft.jsonl", help='JSONL, one {"messages": [...]} conversation per line')
-    parser.add_argument("--out-dir", default="runs/sft", help="where the HF checkpoint, metrics.jsonl and sft_config.json go")
+    parser.add_argument("--out-dir", default="runs/sft",
+                        help="where the HF checkpoint, metrics.jsonl and sft_config.json go")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the data")
-    parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps to run (-1: all epochs); the schedule follows")
-    parser.add_argument("--batch-size", type=int, default=128, help="conversations per optimizer step, over all ranks")
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="tokens per forward pass, padding included")
-    parser.add_argument("--max-len", type=int, default=4096, help="longest conversation in tokens; longer ones are an error")
+    parser.add_argument("--max-steps", type=int, default=-1,
+                        help="optimizer steps to run (-1: all epochs); the schedule follows")
+    parser.add_argument("--batch-size", type=int, default=128,
+                        help="conversations per optimizer step, over all ranks")
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384,
+                        help="tokens per forward pass, padding included")
+    parser.add_argument("--max-len", type=int, default=4096,
+                        help="longest conversation in tokens; longer ones are an error")
     parser.add_argument("--lr", type=float, default=5e-6, help="peak learning rate")
-    parser.add_argument("--warmup-ratio", type=float, default=0.04, help="share of steps spent in linear warm-up")
+    parser.add_argument("--warmup-ratio", type=float, default=0.04,
+                        help="share of steps spent in linear warm-up")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (inf: no clipping)")
-    parser.add_argument("--grad-checkpointing", type=int, default=1, help="1: recompute activations in backward to save memory")
+    parser.add_argument("--grad-clip", type=float, default=1.0,
+                        help="clip the global gradient norm to this (inf: no clipping)")
+    parser.add_argument("--grad-checkpointing", type=int, default=1,
+                        help="1: recompute activations in backward to save memory")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and anything random")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default; a tiny model on a shared CPU wants 1)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (0: torch's default; a tiny model on a shared CPU wants 1)")
     if preset := parser.parse_known_args(argv)[0].preset:  # a preset replaces defaults; explicit flags still win
         parser.set_defaults(**PRESETS[preset])
     return parser.parse_args(argv)
-
-
-# -----------------------------------------------------------------------------
-# Compute: one process group, from `python sft.py` to `torchrun --nproc_per_node=8`.
-
-def init_distributed():
-    """Join torchrun's process group, or make a group of one. Returns (rank, local_rank, world_size, device)."""
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":  # torch.cuda is also the ROCm device API
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized() and "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    elif not dist.is_initialized():  # a group of one needs no rendezvous: an in-process store, no port
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return rank, local_rank, world_size, device
-
-
-def shard_model(model, device):
-    """FSDP2: shard every decoder layer, then the root (embeddings, final norm,
-    head). On GPU the forward and backward run in bf16 with fp32 master weights
-    and fp32 gradient reduction; on CPU everything stays fp32."""
-    on_gpu = device.type == "cuda"
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_gpu else None, reduce_dtype=torch.float32 if on_gpu else None)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    layers = [m for m in model.modules() if type(m).__name__ in (getattr(model, "_no_split_modules", None) or [])]
-    if not layers:
-        raise ValueError(f"no decoder layers in {type(model).__name__}\n---> HINT: shard_model shards model._no_split_modules")
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    return model
 
 
 # -----------------------------------------------------------------------------
@@ -145,37 +118,17 @@ def tokenize_conversations(tokenizer, conversations, path, max_len):
     return samples
 
 
-def micro_batches(lengths, budget):
-    """Cut sequences into micro-batches, longest first, each with rows x longest
-    row <= budget (one longer than the budget goes alone). Returns lists of indices."""
-    batches = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-def collate(samples, pad_id):
-    """Right-pad to the longest: input_ids, attention_mask, loss_mask, each (B, T)."""
-    T = max(len(ids) for ids, _ in samples)
-    pad = lambda seq, value: seq + [value] * (T - len(seq))  # noqa: E731
-    input_ids = torch.tensor([pad(ids, pad_id) for ids, _ in samples])  # (B, T)
-    attention_mask = torch.tensor([pad([1] * len(ids), 0) for ids, _ in samples])  # (B, T)
-    loss_mask = torch.tensor([pad(mask, 0) for _, mask in samples])  # (B, T)
-    return input_ids, attention_mask, loss_mask
-
-
 # -----------------------------------------------------------------------------
 # Loss and schedule.
 
-def assistant_nll_sum(logits, input_ids, loss_mask):
-    """Sum of -log p(token) over the tokens with loss_mask 1 (assistant tokens).
+def assistant_nll_sum(model, samples, pad_id, device):
+    """Sum of -log p(token) over the assistant tokens (loss mask 1) of (ids, loss_mask) samples.
     Position t predicts token t+1, so the mask is read one to the right."""
-    labels = input_ids[:, 1:].masked_fill(loss_mask[:, 1:] == 0, -100)  # (B, T-1)
-    logits = logits[:, :-1].float()  # (B, T-1, V)
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    input_ids = right_pad([ids for ids, _ in samples], pad_id).to(device)                 # (B, T)
+    attention_mask = right_pad([[1] * len(ids) for ids, _ in samples], 0).to(device)     # (B, T)
+    loss_mask = right_pad([mask[1:] for _, mask in samples], 0).to(device)               # (B, T-1)
+    logp = token_logprobs(model, input_ids, attention_mask)                             # (B, T-1)
+    return -(logp * loss_mask).sum()
 
 
 def lr_at(step, total_steps, warmup_steps, lr):
@@ -184,19 +137,6 @@ def lr_at(step, total_steps, warmup_steps, lr):
         return lr * (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return lr * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def save_hf_checkpoint(model, tokenizer, out_dir, dtype=torch.float32):
-    """Gather the full state dict from the FSDP2 shards and write an HF checkpoint
-    (on rank 0). Every rank must call this: the gather is a collective."""
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        model.save_pretrained(out_dir, state_dict={k: v.to(dtype) for k, v in state_dict.items()})
-        config = copy.deepcopy(model.config)  # save_pretrained wrote the dtype of the fp32 master
-        config.dtype = dtype                  # weights; vLLM's dtype="auto" must read the saved one
-        config.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-    dist.barrier()
 
 
 # -----------------------------------------------------------------------------
@@ -240,39 +180,33 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     # ---- training loop ----
-    metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1) if master else None  # line-buffered
+    metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1) if master else None
     for step in tqdm(range(total_steps), desc="sft", disable=not master, dynamic_ncols=True):
         t0 = time.time()
         epoch, k = divmod(step, steps_per_epoch)
         # a fresh deterministic order each epoch, the same on every rank
-        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        generator = torch.Generator().manual_seed(args.seed + epoch)
+        order = torch.randperm(len(samples), generator=generator).tolist()
         batch = order[k * args.batch_size:(k + 1) * args.batch_size]
-        # Every rank plans the whole step (4): sorted by length, dealt round-robin; FSDP's collectives
-        # need every rank in every pass, so ranks with fewer micro-batches add empty passes.
-        shares = [sorted(batch, key=lambda i: -lengths[i])[r::world_size] for r in range(world_size)]
-        plans = [[[share[j] for j in mb] for mb in micro_batches([lengths[i] for i in share], args.micro_batch_tokens)]
-                 for share in shares]
-        n_micro = max(len(plan) for plan in plans)
+        plan = plan_micro_batches([lengths[i] for i in batch], args.micro_batch_tokens, world_size)  # (4)
         n_loss_tokens = max(1, sum(n_assistant[i] for i in batch))  # the global denominator (5)
         n_tokens = sum(lengths[i] for i in batch)
-        n_padded = sum(len(mb) * lengths[mb[0]] for plan in plans for mb in plan)
+        n_padded = sum(len(mb) * lengths[batch[mb[0]]] for rank_plan in plan for mb in rank_plan if mb)
 
         lr = lr_at(step, total_steps, warmup_steps, args.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
         nll_sum_local = torch.zeros((), device=device)
-        for j in range(n_micro):
-            if j < len(plans[rank]):
-                input_ids, attention_mask, loss_mask = (t.to(device) for t in collate([samples[i] for i in plans[rank][j]], pad_id))
-                logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
-                nll_sum = assistant_nll_sum(logits, input_ids, loss_mask)
-                nll_sum_local += nll_sum.detach()
-            else:  # an empty pass
-                nll_sum = model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False).logits.sum() * 0.0
+        for micro_batch in plan[rank]:
+            if not micro_batch:
+                empty_pass(model, pad_id, device)
+                continue
+            nll_sum = assistant_nll_sum(model, [samples[batch[j]] for j in micro_batch], pad_id, device)
+            nll_sum_local += nll_sum.detach()
             # FSDP averages gradients over ranks; times world_size undoes that, so the
             # gradient is exactly that of (sum of assistant-token losses) / n_loss_tokens (5).
             (nll_sum / n_loss_tokens * world_size).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).full_tensor()  # a DTensor under FSDP2
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).full_tensor()  # a DTensor
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(nll_sum_local)
@@ -280,12 +214,14 @@ def main(argv=None):
         # ---- logging ----
         if master:
             seconds = time.time() - t0
-            row = dict(step=step + 1, epoch=round((step + 1) / steps_per_epoch, 4), loss=nll_sum_local.item() / n_loss_tokens,
-                       lr=lr, grad_norm=grad_norm.item(), n_loss_tokens=n_loss_tokens, tokens=n_tokens,
-                       padding=1 - n_tokens / n_padded, micro_batches=n_micro, tokens_per_s=n_tokens / seconds, seconds=seconds)
-            tqdm.write(f"step {step + 1:5d}/{total_steps} | epoch {row['epoch']:6.3f} | loss {row['loss']:.4f} | lr {lr:.2e} "
-                       f"| grad norm {row['grad_norm']:7.3f} | tokens {n_tokens:7d} (pad {row['padding']:5.1%}, {n_micro} mb) "
-                       f"| {row['tokens_per_s']:7.0f} tok/s | {seconds:6.2f} s")
+            row = dict(step=step + 1, epoch=round((step + 1) / steps_per_epoch, 4),
+                       loss=nll_sum_local.item() / n_loss_tokens, lr=lr, grad_norm=grad_norm.item(),
+                       n_loss_tokens=n_loss_tokens, tokens=n_tokens, padding=1 - n_tokens / n_padded,
+                       micro_batches=len(plan[0]), tokens_per_s=n_tokens / seconds, seconds=seconds)
+            tqdm.write(f"step {step + 1:5d}/{total_steps} | epoch {row['epoch']:6.3f} | loss {row['loss']:.4f} "
+                       f"| lr {lr:.2e} | grad norm {row['grad_norm']:7.3f} | tokens {n_tokens:7d} "
+                       f"(pad {row['padding']:5.1%}, {len(plan[0])} mb) | {row['tokens_per_s']:7.0f} tok/s "
+                       f"| {seconds:6.2f} s")
             metrics_file.write(json.dumps(row) + "\n")
 
     # ---- save ----

@@ -126,20 +126,27 @@ def problems(toy_world):
 class Recorder:
     """The real engine, with a record of every prompt it was given and every turn it sampled."""
 
-    def __init__(self, llm):
-        self.llm, self.calls = llm, []
+    def __init__(self, engine):
+        self.engine, self.prompts, self.calls = engine, {}, []
 
-    def generate(self, prompts, params, use_tqdm=False):
-        outs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
-        self.calls += [(p["prompt_token_ids"], list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
+    def add_request(self, request_id, prompt, params):
+        self.prompts[request_id] = prompt["prompt_token_ids"]
+        self.engine.add_request(request_id, prompt, params)
+
+    def has_unfinished_requests(self):
+        return self.engine.has_unfinished_requests()
+
+    def step(self):
+        outs = self.engine.step()
+        self.calls += [(self.prompts[o.request_id], list(o.outputs[0].token_ids)) for o in outs if o.finished]
         return outs
 
 
 @pytest.fixture(scope="module")
 def lockstep_batch(toy_engine, sandbox, problems):
-    from rollout import rollout_lockstep
+    from scheduler import rollout_lockstep
     tok = toy_engine.get_tokenizer()
-    rec = Recorder(toy_engine)
+    rec = Recorder(toy_engine.llm_engine)
     trajs, stats = rollout_lockstep(rec, tok, sandbox, problems, 4, RolloutConfig(max_response=512, seed=1))
     return trajs, stats, rec
 
@@ -208,36 +215,38 @@ def max_diff_hf_vs_sampler(model, trajs):
 def test_weight_sync_reaches_the_engine_prefix_cache_included(toy_engine, toy_sft_model, sandbox, problems):
     import torch
     from transformers import AutoModelForCausalLM
-    from rollout import rollout_lockstep, sync_weights
+    from rollout import sync_weights
+    from scheduler import rollout_lockstep
     tok, cfg = toy_engine.get_tokenizer(), RolloutConfig(max_response=48, max_turns=1, seed=3)
+    engine = toy_engine.llm_engine
     model = AutoModelForCausalLM.from_pretrained(toy_sft_model, torch_dtype=torch.float32)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    before, _ = rollout_lockstep(toy_engine, tok, sandbox, problems[:4], 1, cfg)  # caches these prompts
+    before, _ = rollout_lockstep(engine, tok, sandbox, problems[:4], 1, cfg)  # caches these prompts
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     try:
         sync_weights(toy_engine, iter(model.state_dict().items()))
-        after, _ = rollout_lockstep(toy_engine, tok, sandbox, problems[:4], 1, cfg)
+        after, _ = rollout_lockstep(engine, tok, sandbox, problems[:4], 1, cfg)
         worst = max_diff_hf_vs_sampler(model, after)
         assert worst < 1e-4, f"after a sync vLLM still differs from the new weights by {worst:.2e} (stale prefix cache?)"
     finally:
         sync_weights(toy_engine, iter(original.items()))
-    restored, _ = rollout_lockstep(toy_engine, tok, sandbox, problems[:4], 1, cfg)
+    restored, _ = rollout_lockstep(engine, tok, sandbox, problems[:4], 1, cfg)
     assert [t.response_ids for t in restored] == [t.response_ids for t in before], \
         "syncing the original weights back must restore the original samples"
 
 
 @pytest.mark.slow
 def test_turn_and_budget_caps_end_trajectories_with_the_right_reason(toy_engine, sandbox, problems):
-    from rollout import rollout_lockstep
-    tok = toy_engine.get_tokenizer()
-    one_turn, _ = rollout_lockstep(toy_engine, tok, sandbox, problems, 2, RolloutConfig(max_turns=1, max_response=512))
+    from scheduler import rollout_lockstep
+    tok, engine = toy_engine.get_tokenizer(), toy_engine.llm_engine
+    one_turn, _ = rollout_lockstep(engine, tok, sandbox, problems, 2, RolloutConfig(max_turns=1, max_response=512))
     assert all(t.num_turns == 1 for t in one_turn)
     assert any(t.finish_reason == "max_turns" for t in one_turn), "a tool call on the only turn must end it"
     assert all(t.finish_reason != "max_turns" or t.tool_calls == 0 for t in one_turn)
-    short, _ = rollout_lockstep(toy_engine, tok, sandbox, problems, 2, RolloutConfig(max_response=12))
+    short, _ = rollout_lockstep(engine, tok, sandbox, problems, 2, RolloutConfig(max_response=12))
     assert all(len(t.response_ids) <= 12 for t in short), "the budget covers sampled and tool tokens"
     assert any(t.finish_reason == "length" for t in short)
     assert all(t.finish_reason in ("length", "answer", "no_tool_call") for t in short), \
@@ -247,19 +256,24 @@ def test_turn_and_budget_caps_end_trajectories_with_the_right_reason(toy_engine,
 
 @pytest.mark.slow
 def test_an_infinite_loop_costs_one_timeout_not_the_batch(toy_engine, sandbox, problems):
-    from rollout import rollout_lockstep
-    tok, hung = toy_engine.get_tokenizer(), []
+    from scheduler import rollout_lockstep
 
-    def hang_the_first_call(traj, token_ids, logprobs, tokenizer, cfg):
-        call = end_turn(traj, token_ids, logprobs, tokenizer, cfg)
-        if isinstance(call, tuple) and not hung:
-            hung.append(traj)
-            return "while True:\n    pass", ""
-        return call
+    class HangTheFirstCall:
+        """The real sandbox, except that the first call it is given loops forever."""
+        hung = False
 
-    trajs, stats = rollout_lockstep(toy_engine, tok, sandbox, problems, 2, RolloutConfig(max_response=512),
-                                    on_turn=hang_the_first_call)
-    assert hung and hung[0].tool_failures.get("timeout") == 1
+        def run_batch(self, jobs):
+            if jobs and not self.hung:
+                self.hung = True
+                jobs = [("while True:\n    pass", "")] + jobs[1:]
+            return sandbox.run_batch(jobs)
+
+        def verify_batch(self, pairs):
+            return sandbox.verify_batch(pairs)
+
+    tok = toy_engine.get_tokenizer()
+    trajs, stats = rollout_lockstep(toy_engine.llm_engine, tok, HangTheFirstCall(), problems, 2,
+                                    RolloutConfig(max_response=512))
     assert sum(t.tool_failures.get("timeout", 0) for t in trajs) == 1, "only the looping call may time out"
     assert all(t.finish_reason for t in trajs)
     assert stats["tool_seconds"] < 2 * sandbox.timeout + 5, "the loop must cost one timeout, not more"

@@ -1,24 +1,28 @@
-"""The load-balanced scheduler: KV-budget admission, asynchronous tools, equivalence with lockstep."""
+"""The rollout drivers: KV-budget admission, asynchronous tools, equivalence with lockstep, ranks."""
 import json
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from rollout import IM_END, RolloutConfig, end_turn, render_tool_call
-from scheduler import rollout_scheduled
+from rollout import IM_END, RolloutConfig, render_prompt, render_tool_call
+from scheduler import ProblemQueue, rollout_lockstep, rollout_scheduled
 
 
 class StepEngine:
     """An engine with vLLM's step-level interface whose requests each take `steps` steps and
-    return a scripted turn; it records how many KV tokens the scheduler had reserved."""
+    return a scripted turn: turns(index, sample, turn) -> text. It records which trajectories are
+    live (a request added, the final turn not yet returned), the peak of that, and the order in
+    which trajectories finished."""
 
     def __init__(self, tok, turns, steps=3):
         self.tok, self.turns, self.steps = tok, turns, steps
-        self.requests = {}
+        self.requests, self.live, self.peak, self.finished = {}, set(), 0, []
 
     def add_request(self, rid, prompt, params):
         self.requests[rid] = [self.steps, prompt]
+        self.live.add(tuple(map(int, rid.split("-")[:2])))
+        self.peak = max(self.peak, len(self.live))
 
     def has_unfinished_requests(self):
         return bool(self.requests)
@@ -29,9 +33,14 @@ class StepEngine:
             self.requests[rid][0] -= 1
             if self.requests[rid][0] == 0:
                 index, sample, turn = map(int, rid.split("-"))
-                ids = self.tok.encode(self.turns(index, sample, turn), add_special_tokens=False)
+                text = self.turns(index, sample, turn)
+                if "<tool_call>" not in text:
+                    self.live.discard((index, sample))
+                    self.finished.append(index)
+                ids = self.tok.encode(text, add_special_tokens=False)
+                logprobs = [{t: SimpleNamespace(logprob=-0.1)} for t in ids]
                 outs.append(SimpleNamespace(request_id=rid, finished=True,
-                                            outputs=[SimpleNamespace(token_ids=ids, logprobs=[{t: SimpleNamespace(logprob=-0.1)} for t in ids])]))
+                                            outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
                 del self.requests[rid]
         return outs
 
@@ -48,32 +57,15 @@ def tok(toy_world):
     return AutoTokenizer.from_pretrained(toy_world / "init_model")
 
 
-def test_admission_never_exceeds_the_kv_budget_and_refills(tok, sandbox, monkeypatch):
+def test_admission_never_exceeds_the_kv_budget_and_refills(tok, sandbox):
     problems = [{"question": f"What is {i}?", "answer": str(i)} for i in range(12)]
+    prompt_len = len(tok.encode(render_prompt("What is 10?"), add_special_tokens=False))
     cfg = RolloutConfig(max_response=200)
-    prompt_len = len(tok.encode(__import__("rollout").render_prompt("What is 10?"), add_special_tokens=False))
-    kv_tokens = 5 * (prompt_len + cfg.max_response)          # room for five trajectories
-    engine, live, peak = StepEngine(tok, scripted_turn), set(), [0]
-
-    def track(traj, ids, logprobs, tok_, cfg_):
-        call = end_turn(traj, ids, logprobs, tok_, cfg_)
-        if call is None:
-            live.discard((traj.index, traj.sample))
-        return call
-
-    add = engine.add_request
-
-    def add_and_count(rid, prompt, params):
-        index, sample, _ = map(int, rid.split("-"))
-        live.add((index, sample))
-        peak[0] = max(peak[0], len(live))
-        add(rid, prompt, params)
-
-    engine.add_request = add_and_count
-    trajs, stats = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg, kv_tokens=kv_tokens,
-                                     sampling=lambda *a: None, on_turn=track)
-    assert peak[0] <= 5, f"{peak[0]} trajectories were admitted at once into a budget for 5"
-    assert peak[0] == 5, "admission should fill the budget, not leave it idle"
+    cfg.kv_budget = 5 * (prompt_len + cfg.max_response)      # room for five trajectories
+    engine = StepEngine(tok, scripted_turn)
+    trajs, stats = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg)
+    assert engine.peak <= 5, f"{engine.peak} trajectories were admitted at once into a budget for 5"
+    assert engine.peak == 5, "admission should fill the budget, not leave it idle"
     assert len(trajs) == 24 and all(t.reward == 1.0 for t in trajs), "every trajectory must finish, graded"
     assert [(t.index, t.sample) for t in trajs] == [(i, s) for i in range(12) for s in range(2)]
     assert [t.tool_calls for t in trajs] == [i % 3 for i in range(12) for _ in range(2)]
@@ -88,22 +80,28 @@ def test_a_slow_tool_call_does_not_hold_up_the_others(tok, sandbox):
             return "Compute.</reason>" + render_tool_call("while True:\n    pass") + IM_END
         return scripted_turn(index, sample, turn)
 
-    order = []
-
-    def record(traj, ids, logprobs, tok_, cfg_):
-        call = end_turn(traj, ids, logprobs, tok_, cfg_)
-        if call is None:
-            order.append(traj.index)
-        return call
-
+    engine = StepEngine(tok, turns)
     t0 = time.perf_counter()
-    trajs, stats = rollout_scheduled(StepEngine(tok, turns), tok, sandbox, problems, 1, RolloutConfig(max_response=200),
-                                     kv_tokens=10 ** 6, sampling=lambda *a: None, on_turn=record)
+    trajs, stats = rollout_scheduled(engine, tok, sandbox, problems, 1, RolloutConfig(max_response=200, kv_budget=10**6))
+    order = engine.finished
     assert order[-1] == 0 and sorted(order[:-1]) == [1, 2, 3, 4, 5], \
         f"the others must finish while problem 0's tool call times out; finish order {order}"
     assert trajs[0].tool_failures == {"timeout": 1}
     assert stats["idle_seconds"] > 0.5 * sandbox.timeout, "with nothing to step the loop must wait"
     assert time.perf_counter() - t0 < 3 * sandbox.timeout + 5
+
+
+def test_lockstep_runs_its_rank_share_and_the_scheduler_the_same_turns(tok, sandbox):
+    problems = [{"question": f"What is {i}?", "answer": str(i)} for i in range(5)]
+    cfg = RolloutConfig(max_response=200, kv_budget=10**6)
+    lock, _ = rollout_lockstep(StepEngine(tok, scripted_turn), tok, sandbox, problems, 2, cfg)
+    sched, _ = rollout_scheduled(StepEngine(tok, scripted_turn), tok, sandbox, problems, 2, cfg)
+    assert [(t.index, t.sample, t.response_ids, t.reward) for t in lock] == \
+           [(t.index, t.sample, t.response_ids, t.reward) for t in sched]
+    shares = [ProblemQueue() for _ in range(3)]
+    for r, q in enumerate(shares):
+        q.rank, q.world_size = r, 3
+    assert [list(q.share(5)) for q in shares] == [[0, 1], [2, 3], [4]], "contiguous shares, the last shorter"
 
 
 @pytest.mark.slow
@@ -121,17 +119,18 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
     under greedy, a random draw that close to a boundary when sampling); it has not happened with
     these seeds, and the failure message gives the first differing position and its log-probs so
     that such a flip can be told apart from a bug."""
-    from rollout import kv_capacity_tokens, rollout_lockstep
-    tok = toy_engine.get_tokenizer()
+    from rollout import kv_capacity_tokens
+    tok, engine = toy_engine.get_tokenizer(), toy_engine.llm_engine
     problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:32]]
     cfg = RolloutConfig(max_response=512, temperature=temperature)
-    lock, _ = rollout_lockstep(toy_engine, tok, sandbox, problems, 2, cfg)
+    lock, _ = rollout_lockstep(engine, tok, sandbox, problems, 2, cfg)
     if temperature > 0:
         assert sum(t.tool_calls for t in lock) >= 5 and max(t.num_turns for t in lock) >= 2, \
             "the sampled case must exercise tool calls and multi-turn trajectories"
     five = 5 * (max(len(t.prompt_ids) for t in lock) + cfg.max_response)
-    for kv_tokens in (kv_capacity_tokens(toy_engine), five):
-        sched, stats = rollout_scheduled(toy_engine.llm_engine, tok, sandbox, problems, 2, cfg, kv_tokens=kv_tokens)
+    for kv_tokens in (kv_capacity_tokens(engine), five):
+        cfg.kv_budget = kv_tokens
+        sched, stats = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg)
         assert [(t.index, t.sample) for t in sched] == [(t.index, t.sample) for t in lock]
         for a, b in zip(lock, sched):
             if a.response_ids != b.response_ids:
@@ -153,15 +152,15 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
 
 @pytest.mark.slow
 def test_two_ranks_share_one_queue_and_the_fast_rank_pulls_more(toy_world, tmp_path):
-    """torchrun, two ranks, each with its own engine (external launcher) and sandbox; rank 1's tool
-    calls take 5 s, rank 0's none. Each rank's KV budget holds one problem at a time, so a rank
-    pulls a new problem only when its last one is done: rank 0 must take more of them."""
+    """torchrun, two ranks, each with its own (scripted) engine and sandbox; rank 1's tool calls
+    take 5 s, rank 0's none. Each rank's KV budget holds one problem at a time, so a rank pulls a
+    new problem only when its last one is done: rank 0 must take more of them."""
     import os
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root), VLLM_CPU_OMP_THREADS_BIND="nobind")  # 2 ranks, 2 cores
+    env = dict(os.environ, PYTHONPATH=str(root))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__,
                     str(toy_world / "init_model"), str(tmp_path)], cwd=root, env=env, check=True, timeout=900)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -178,46 +177,30 @@ def test_two_ranks_share_one_queue_and_the_fast_rank_pulls_more(toy_world, tmp_p
 def _rank_main(model: str, out: str):
     """One rank of the test above (run by torchrun)."""
     import torch.distributed as dist
-    from vllm import SamplingParams
-    from rollout import make_engine, start_trajectories
+    from transformers import AutoTokenizer
     from sandbox import Sandbox
-    from scheduler import SharedCounter
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    llm = make_engine(model, max_model_len=512, kv_cache_tokens=4096, external_launcher=True)
-    tok, cfg, handled = llm.get_tokenizer(), RolloutConfig(max_response=64), set()
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def turns(index, sample, turn):                        # a tool call, then the end
+        if turn == 0:
+            return "Compute.</reason>" + render_tool_call(f"import time; time.sleep({5.0 * rank})") + IM_END
+        return "Done." + IM_END
+
+    engine = StepEngine(tok, turns)
     problems = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
-
-    def sampling(t, cfg, tokenizer):                       # four tokens a turn, whatever the model says
-        return SamplingParams(min_tokens=4, max_tokens=4, ignore_eos=True, logprobs=0,
-                              seed=hash((t.index, t.sample, t.num_turns)) % 2**31)
-
-    def on_turn(t, ids, logprobs, tokenizer, cfg):         # a tool call, then the end
-        handled.add(t.index)
-        t.response_ids += ids
-        t.loss_mask += [1] * len(ids)
-        t.logprobs += logprobs
-        t.num_turns += 1
-        if t.num_turns == 2:
-            t.finish_reason = "no_tool_call"
-            return None
-        t.tool_calls += 1
-        return f"import time; time.sleep({5.0 if rank == 1 else 0.0})", ""
-
-    one_problem = 2 * (max(len(t.prompt_ids) for t in start_trajectories(tok, problems, 1)) + cfg.max_response)
+    longest = max(len(tok.encode(render_prompt(p["question"]), add_special_tokens=False)) for p in problems)
+    cfg = RolloutConfig(max_response=64)
+    cfg.kv_budget = 2 * (longest + cfg.max_response)       # one problem's two samples
     with Sandbox(workers=1, timeout=10.0) as sandbox:
         dist.barrier()                                     # start pulling together
-        trajs, _ = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, 2, cfg, kv_tokens=one_problem,
-                                     counter=SharedCounter("two-ranks", distributed=True),
-                                     sampling=sampling, on_turn=on_turn)
+        trajs, _ = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg, ProblemQueue("two-ranks", True))
     batch = [(t.index, t.sample, t.num_turns, t.tool_calls, t.response_ids) for t in trajs]
+    handled = sorted({int(rid) for rid in engine.finished})
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"batch": batch, "handled": sorted(handled)}, f)
-    # vLLM 0.32 has no LLM.shutdown: the in-process engine core's shutdown frees the engine and
-    # also tears down torch.distributed's default group (cleanup_dist_env_and_memory).
-    llm.llm_engine.engine_core.shutdown()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        json.dump({"batch": batch, "handled": handled}, f)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
