@@ -3,144 +3,56 @@
     python data/prepare_eval.py                       # first: the benchmarks to decontaminate against
     python data/prepare_rl.py                         # DAPO-Math-17k (English) -> data/rl.jsonl
     python data/prepare_rl.py --openmath-rows 200000  # also scan OpenMathReasoning (paper §4.2)
+    python data/prepare_rl.py --local dapo=dapo.parquet   # a copy of a source on disk instead of the hub
 
 What it does, in order (paper §4.2):
 1. reads the benchmark problems (data/eval/<name>.jsonl, written by prepare_eval.py);
-2. downloads the sources through the Hugging Face datasets-server /rows API (JSON, 100 rows a
-   request, standard library only): open-r1/DAPO-Math-17k-Processed (config en), and optionally
-   nvidia/OpenMathReasoning, keeping its problems with an extracted answer that Qwen2.5-72B-TIR
-   reached at least --openmath-min-pass-rate of the time (the paper instead kept problems whose
-   answer Qwen3-32B reproduced at least twice in 16 samples; we have no such run);
+2. reads the sources with datasets.load_dataset: open-r1/DAPO-Math-17k-Processed (config en,
+   downloaded once and cached), and optionally nvidia/OpenMathReasoning (millions of rows: streamed,
+   so --openmath-rows N reads only N of them), keeping its problems with an extracted answer that
+   Qwen2.5-72B-TIR reached at least --openmath-min-pass-rate of the time (the paper instead kept
+   problems whose answer Qwen3-32B reproduced at least twice in 16 samples; we have no such run);
+   --local NAME=PATH reads a JSONL or parquet file with the source's columns through the same call;
 3. keeps integer answers only (integer_answer below says exactly what counts);
 4. drops repeated questions (same normalised words, see `words`), the first one wins;
 5. drops every problem that shares an 8-gram of normalised words with any benchmark problem;
 6. writes {"question", "answer"} JSONL and prints what each step kept and dropped, per source.
-The helpers at the top (HTTP rows download, JSONL, text normalisation) are shared with
-prepare_eval.py and prepare_sft.py.
+Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_DATASETS_OFFLINE=1
+reads only that cache; HF_TOKEN is used if set.
 """
 import argparse
+import itertools
 import json
 import os
 import re
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections import Counter
 
-# -----------------------------------------------------------------------------
-# Download: the datasets-server /rows API, 100 rows a request. HF_TOKEN (if set) is sent for
-# gated sets. Everything else in these scripts is pure functions of the downloaded rows.
+from datasets import load_dataset
+from datasets.exceptions import DatasetsError
 
-HUB_ROWS_URL = "https://datasets-server.huggingface.co"
-PAGE = 100  # the API's maximum
-
-
-class FetchError(RuntimeError):
-    pass
-
-
-def get_json(url, retries=4):
-    """GET a JSON document; retries rate limits (429), server errors and network errors with backoff."""
-    headers = {"User-Agent": "rstar2-agent-data"}
-    if os.environ.get("HF_TOKEN"):
-        headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-    for attempt in range(retries + 1):
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as r:
-                return json.loads(r.read().decode("utf-8"))
-        except urllib.error.HTTPError as e:
-            if e.code not in (429, 500, 502, 503, 504) or attempt == retries:
-                raise
-        except urllib.error.URLError:
-            if attempt == retries:
-                raise
-        time.sleep(2 ** attempt)
-
-
-def fetch_hint(dataset, http_code):
-    page = f"https://huggingface.co/datasets/{dataset}"
-    if http_code in (401, 403):
-        return f"the set is gated: accept its terms on {page} and export HF_TOKEN=<a read token>"
-    if http_code in (404, 422):
-        return f"its name, config or split may have changed: check {page}"
-    if http_code:
-        return "the datasets-server is busy or still preparing this set: wait a few minutes and run again"
-    return "this needs internet access to huggingface.co (behind a proxy: export https_proxy=...)"
-
-
-def fetch_rows(dataset, config, split, max_rows=None, fields=None, base_url=HUB_ROWS_URL):
-    """Yield the rows (dicts, only `fields` if given) of one split in order. The API cuts very long
-    cells short: a row lists such cells among `fields` under "_truncated" so the caller can drop it.
-    Raises FetchError with a hint."""
-    offset = 0
-    while max_rows is None or offset < max_rows:
-        query = urllib.parse.urlencode(dict(dataset=dataset, config=config, split=split, offset=offset, length=PAGE))
-        url = f"{base_url}/rows?{query}"
-        try:
-            page = get_json(url)
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise FetchError(f"could not download {dataset} ({config}/{split}) at offset {offset}: {e}\n"
-                             f"    url: {url}\n---> HINT: {fetch_hint(dataset, getattr(e, 'code', None))}") from None
-        for item in page.get("rows", []):
-            if max_rows is not None and offset >= max_rows:
-                return
-            row, cut = item["row"], item.get("truncated_cells") or []
-            if fields is not None:
-                row, cut = {k: row.get(k) for k in fields}, [c for c in cut if c in fields]
-            yield dict(row, _truncated=cut)
-            offset += 1
-        if not page.get("rows") or offset >= page.get("num_rows_total", 0):
-            return
-
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_jsonl(path, rows):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rollout import as_number  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
-# Integer answers. Accepted, and written as the plain integer: surrounding whitespace, $...$,
-# \(...\), \boxed{...}, a trailing period, a leading + or -, leading zeros ("033" -> "33"),
-# thousands separators ("1,000", "1{,}000", "1\,000", "1 000"), and a decimal point followed only
-# by zeros ("12.0" -> "12": the same number, which the grader also accepts). Rejected: anything
-# else (fractions, other decimals, expressions, units, lists, several answers) and integers of
-# more than max_digits digits (like the paper's Project Euler giants, most likely a bad label).
+# Integer answers: rollout.as_number reads the number (it says what it accepts around and within
+# one: $...$, \boxed{...}, a sign, leading zeros, thousands separators, a decimal point); an
+# integer is kept as its plain digits ("033" -> "33", "1{,}000" -> "1000", "12.0" -> "12": the same
+# number, which the grader also accepts). Rejected: anything else (fractions, other decimals,
+# expressions, units, lists, several answers) and integers of more than max_digits digits (like the
+# paper's Project Euler giants, most likely a bad label).
 
-_WRAPPERS = [re.compile(p, re.DOTALL) for p in
-             (r"^\$+(.*?)\$+$", r"^\\\((.*)\\\)$", r"^\\\[(.*)\\\]$", r"^\\boxed\s*\{(.*)\}$")]
-_INTEGER = re.compile(r"[+-]?\d+")
-_THOUSANDS = re.compile(r"[+-]?\d{1,3}([, ]\d{3})+")
+_WRAPPING = re.compile(r"\\boxed|[\s$.{}()\[\]\\]")  # an answer made of these alone is empty
 
 
 def integer_answer(raw, max_digits=20):
     """(the answer as a canonical integer string, "ok") or (None, the reason it is not one)."""
-    s = str(raw).strip()
-    changed = True
-    while changed:  # peel wrappers in any order: "$\boxed{12}$", "\boxed{$12$}."
-        before = s
-        s = s.rstrip(".").strip()
-        for w in _WRAPPERS:
-            s = w.sub(r"\1", s).strip()
-        changed = s != before
-    s = s.replace("{,}", ",").replace("\\,", ",").replace("\\!", "")
-    if not s:
+    if not _WRAPPING.sub("", str(raw)):
         return None, "empty answer"
-    if _THOUSANDS.fullmatch(s):
-        s = s.replace(",", "").replace(" ", "")
-    if re.fullmatch(r"[+-]?\d+\.0*", s):
-        s = s.split(".")[0]
-    if not _INTEGER.fullmatch(s):
+    n = as_number(raw)
+    if not isinstance(n, int):
         return None, "not an integer"
-    n = int(s)
     if len(str(abs(n))) > max_digits:
         return None, f"more than {max_digits} digits"
     return str(n), "ok"
@@ -154,7 +66,8 @@ def integer_answer(raw, max_digits=20):
 
 _LAYOUT = {"left", "right", "big", "bigl", "bigr", "displaystyle", "textstyle", "text", "textbf", "mathrm",
            "mathbf", "mbox", "operatorname", "quad", "qquad", "hspace", "vspace"}
-_ALIASES = {"dfrac": "frac", "tfrac": "frac", "dbinom": "binom", "tbinom": "binom", "leq": "le", "geq": "ge", "neq": "ne"}
+_ALIASES = {"dfrac": "frac", "tfrac": "frac", "dbinom": "binom", "tbinom": "binom",
+            "leq": "le", "geq": "ge", "neq": "ne"}
 _COMMAND = re.compile(r"\\([a-zA-Z]+)")
 _WORD = re.compile(r"[^\W_]+")
 
@@ -217,7 +130,7 @@ def clean(records, grams, max_digits=20):
 
 
 # -----------------------------------------------------------------------------
-# Sources: each turns one downloaded row into (record, "ok") or (None, why it is skipped).
+# Sources: each turns one row (its columns listed in main) into (record, "ok") or (None, why it is skipped).
 
 _DAPO_HEAD = re.compile(r"^Solve the following math problem step by step\..*?"
                         r"where \$Answer is the answer to the problem\.\s*", re.DOTALL)
@@ -245,18 +158,30 @@ def from_openmath(row, min_pass_rate=0.125):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Build the RL problem set: integer answers, de-duplicated, decontaminated.")
+    parser = argparse.ArgumentParser(description="Build the RL problem set: integer answers, de-duplicated, "
+                                                 "decontaminated.")
     parser.add_argument("--out", default="data/rl.jsonl", help="output JSONL of {question, answer}")
     parser.add_argument("--eval-dir", default="data/eval", help="where prepare_eval.py wrote the benchmarks")
-    parser.add_argument("--benchmarks", nargs="+", default=["aime24", "aime25", "hmmt25", "math500"], help="benchmark names (files in --eval-dir) or JSONL paths to decontaminate against")
-    parser.add_argument("--ngram", type=int, default=8, help="a problem sharing this many consecutive words with a benchmark problem is dropped")
+    parser.add_argument("--benchmarks", nargs="+", default=["aime24", "aime25", "hmmt25", "math500"],
+                        help="benchmark names (files in --eval-dir) or JSONL paths to decontaminate against")
+    parser.add_argument("--ngram", type=int, default=8,
+                        help="drop a problem sharing this many consecutive words with a benchmark problem")
     parser.add_argument("--max-digits", type=int, default=20, help="longest integer answer kept")
-    parser.add_argument("--dapo-rows", type=int, default=None, help="read at most this many DAPO rows (default: all)")
-    parser.add_argument("--openmath-rows", type=int, default=0, help="also scan this many OpenMathReasoning rows (0: skip; rows repeat each problem many times)")
+    parser.add_argument("--dapo-rows", type=int, default=None,
+                        help="read at most this many DAPO rows (default: all)")
+    parser.add_argument("--openmath-rows", type=int, default=0,
+                        help="also scan this many OpenMathReasoning rows (rows repeat each problem many "
+                             "times; 0: skip it, or read all of a file given with --local)")
     parser.add_argument("--openmath-split", default="cot", help="OpenMathReasoning split to scan")
-    parser.add_argument("--openmath-min-pass-rate", type=float, default=0.125, help="keep OpenMathReasoning problems Qwen2.5-72B-TIR solved at least this often")
-    parser.add_argument("--hub-url", default=HUB_ROWS_URL, help="datasets-server base URL")
+    parser.add_argument("--openmath-min-pass-rate", type=float, default=0.125,
+                        help="keep OpenMathReasoning problems Qwen2.5-72B-TIR solved at least this often")
+    parser.add_argument("--local", nargs="+", default=[], metavar="NAME=PATH",
+                        help="read source NAME (dapo, openmath) from a JSONL or parquet file with the hub "
+                             "set's columns")
     args = parser.parse_args(argv)
+    local = dict(item.partition("=")[::2] for item in args.local)
+    if bad := [k for k, path in local.items() if k not in ("dapo", "openmath") or not path]:
+        parser.error(f"--local takes NAME=PATH, NAME dapo or openmath; not {', '.join(bad)}")
 
     # benchmarks first: a missing file should fail before a long download
     benchmarks = {}
@@ -265,32 +190,52 @@ def main(argv=None):
         if not os.path.exists(path):
             sys.exit(f"benchmark {b!r} not found at {path}\n---> HINT: run `python data/prepare_eval.py "
                      f"--out-dir {args.eval_dir}` first (decontamination needs the benchmark problems)")
-        benchmarks[b] = read_jsonl(path)
+        with open(path, encoding="utf-8") as f:
+            benchmarks[b] = [json.loads(line) for line in f if line.strip()]
     grams = benchmark_ngrams(benchmarks, n=args.ngram)
-    print(f"decontaminating against {', '.join(f'{k} ({len(v)})' for k, v in benchmarks.items())}: {len(grams)} grams")
+    counts = ", ".join(f"{k} ({len(v)})" for k, v in benchmarks.items())
+    print(f"decontaminating against {counts}: {len(grams)} grams")
 
-    sources = [("dapo", "open-r1/DAPO-Math-17k-Processed", "en", "train", args.dapo_rows, ["prompt", "solution"], from_dapo)]
-    if args.openmath_rows:
-        sources.append(("openmath", "nvidia/OpenMathReasoning", "default", args.openmath_split, args.openmath_rows,
-                        ["problem", "expected_answer", "problem_type", "pass_rate_72b_tir"],
-                        lambda row: from_openmath(row, args.openmath_min_pass_rate)))
+    # name: (dataset, config, split, columns, rows to read (None: all), streamed, converter)
+    sources = {"dapo": ("open-r1/DAPO-Math-17k-Processed", "en", "train", ["prompt", "solution"],
+                        args.dapo_rows, False, from_dapo)}
+    if args.openmath_rows or "openmath" in local:
+        sources["openmath"] = ("nvidia/OpenMathReasoning", "default", args.openmath_split,
+                               ["problem", "expected_answer", "problem_type", "pass_rate_72b_tir"],
+                               args.openmath_rows or None, True,
+                               lambda row: from_openmath(row, args.openmath_min_pass_rate))
     records, stats = [], Counter()
-    for name, dataset, config, split, max_rows, fields, convert in sources:
-        print(f"downloading {dataset} ({config}/{split}) ...", flush=True)
+    for name, (dataset, config, split, columns, max_rows, streaming, convert) in sources.items():
+        file = local.get(name)
+        where = file or f"{dataset} ({config}/{split})"
+        print(f"{name}: reading {where} ...", flush=True)
         try:
-            for row in fetch_rows(dataset, config, split, max_rows, fields, base_url=args.hub_url):
-                rec, why = (None, "cut short by the rows API") if row["_truncated"] else convert(row)
+            if file:  # load_dataset("json" | "parquet", data_files=...) reads a file as it reads a hub set
+                kind = "parquet" if file.endswith(".parquet") else "json"
+                rows = load_dataset(kind, data_files=file, split="train", streaming=streaming)
+            else:
+                rows = load_dataset(dataset, config, split=split, streaming=streaming)
+            for row in itertools.islice(rows.select_columns(columns), max_rows):
+                rec, why = convert(row)
                 if rec is None:
                     stats[name, why] += 1
                 else:
                     records.append(dict(rec, source=name))
-        except FetchError as e:
-            sys.exit(str(e))
+        except (OSError, ValueError, DatasetsError) as e:  # no such file or set, no network, a renamed column
+            if isinstance(e, ConnectionError):  # no network, or HF_DATASETS_OFFLINE=1 with nothing cached
+                hint = (f"without network, read a copy on disk (--local {name}=FILE) or what an earlier run "
+                        f"cached (HF_DATASETS_OFFLINE=1)")
+            else:  # the columns are named in `sources` above
+                hint = (f"{where} must exist and have the columns {', '.join(columns)} "
+                        f"(`sources` in data/prepare_rl.py)")
+            sys.exit(f"{name}: could not read {where}: {e}\n---> HINT: {hint}")
     kept, clean_stats = clean(records, grams, args.max_digits)
     stats.update(clean_stats)
-    write_jsonl(args.out, kept)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in kept)
 
-    for name, *_ in sources:
+    for name in sources:
         rows = {why: c for (src, why), c in stats.items() if src == name}
         print(f"{name}: {sum(rows.values())} rows, kept {rows.pop('kept', 0)}")
         for why, c in sorted(rows.items(), key=lambda kv: -kv[1]):

@@ -3,15 +3,20 @@
     python data/prepare_sft.py                        # every source at the paper's size -> data/sft.jsonl
     python data/prepare_sft.py --max-per-source 2000  # a small mix
     python data/prepare_sft.py --sources glaive magicoder --strict
+    python data/prepare_sft.py --local glaive=glaive.json   # a copy of a source on disk
 
-Sources (datasets-server /rows API, see prepare_rl.fetch_rows), at most --max-per-source each:
+Sources (datasets.load_dataset; --local NAME=PATH reads a JSONL or parquet file with the same
+columns instead), at most --max-per-source each:
     toolace    Team-ACE/ToolACE                                  function calls ([f(a=1)] syntax)
     apigen     Salesforce/APIGen-MT-5k (gated: HF_TOKEN)         multi-turn function calls
     glaive     glaiveai/glaive-function-calling-v2               function calls (<functioncall> syntax)
     magicoder  ise-uiuc/Magicoder-OSS-Instruct-75K (Python only) code -> the Python tool
     tulu_if    allenai/tulu-3-sft-personas-instruction-following instruction following
-    chat       nvidia/Llama-Nemotron-Post-Training-Dataset (SFT/chat, reasoning off)
+    chat       nvidia/Llama-Nemotron-Post-Training-Dataset (SFT/chat, reasoning off; streamed: the
+               SFT config holds millions of rows of other splits)
 The paper also rewrote the IF responses and the chat prompts with o4-mini; we use them as released.
+Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_DATASETS_OFFLINE=1
+reads only that cache; HF_TOKEN is used if set.
 
 How a record becomes messages (rollout.render_messages renders them):
 1. Every assistant turn opens inside <reason> (the template adds it). This data has no reasoning, so
@@ -21,14 +26,15 @@ How a record becomes messages (rollout.render_messages renders them):
    ("tool_call": {"code": ..., "input": ""}) after the explanation that precedes it. The conversation
    ends at the call: we do not run the code, and we will not invent an output for it.
 3. Other function calls are KEPT, written as plain assistant text in the very format of the Python
-   tool's call ("\\n<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>"), with the
-   conversation's own functions listed in the system prompt's <tools> block and their results as
-   tool turns. They are the paper's 117K function-calling examples: they teach the JSON call format
-   and when to call, which the Python tool needs; at RL time the prompt lists only the Python tool
-   and parse_tool_call refuses any other name.
+   tool's call (rollout.render_function_call writes both:
+   "\\n<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>"), with the conversation's
+   own functions listed in the system prompt's <tools> block and their results as tool turns. They
+   are the paper's 117K function-calling examples: they teach the JSON call format and when to call,
+   which the Python tool needs; at RL time the prompt lists only the Python tool and
+   parse_tool_call refuses any other name.
 A record that does not fit (unreadable call, a result without a call, ...) is dropped and counted.
-Sources that cannot be downloaded are reported at the end; the script fails only when nothing
-was downloaded, or with --strict when any source failed.
+Sources that cannot be read are reported at the end with what to do; the script fails only when
+nothing was read, or with --strict when any source failed.
 """
 import argparse
 import ast
@@ -38,10 +44,11 @@ import re
 import sys
 from collections import Counter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from prepare_rl import HUB_ROWS_URL, FetchError, fetch_rows, write_jsonl  # noqa: E402
-from rollout import SYSTEM_PROMPT, parse_tool_call, render_assistant_turn  # noqa: E402
+from datasets import load_dataset
+from datasets.exceptions import DatasetsError
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rollout import SYSTEM_PROMPT, parse_tool_call, render_assistant_turn, render_function_call  # noqa: E402
 
 
 class Skip(Exception):
@@ -58,15 +65,11 @@ def system_prompt(tools=None, instructions=""):
     functions in the <tools> block instead of the Python tool."""
     head, sep, tail = SYSTEM_PROMPT.partition("# Tools")
     if tools:
-        listed = "\n".join(json.dumps(t if "function" in t else {"type": "function", "function": t}, ensure_ascii=False)
-                           for t in tools)
-        tail = re.sub(r"<tools>\{.*?\}</tools>", lambda m: f"<tools>{listed}</tools>", tail, count=1, flags=re.DOTALL)
+        specs = [t if "function" in t else {"type": "function", "function": t} for t in tools]
+        listed = "\n".join(json.dumps(spec, ensure_ascii=False) for spec in specs)
+        tail = re.sub(r"<tools>\{.*?\}</tools>", lambda m: f"<tools>{listed}</tools>", tail, count=1,
+                      flags=re.DOTALL)
     return head + (instructions.strip() + "\n\n" if instructions.strip() else "") + sep + tail
-
-
-def call_text(name, arguments):
-    call = {"name": name, "arguments": arguments}
-    return f"\n<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
 
 
 def build(steps, tools=None):
@@ -81,9 +84,11 @@ def build(steps, tools=None):
             if len(calls) > 1:
                 raise Skip("code call mixed with other calls")
             code, stdin = calls[0][1]
-            msgs.append({"role": "assistant", "content": thought + "</reason>", "tool_call": {"code": code, "input": stdin}})
+            msgs.append({"role": "assistant", "content": thought + "</reason>",
+                         "tool_call": {"code": code, "input": stdin}})
         elif calls:
-            msgs.append({"role": "assistant", "content": thought + "</reason>" + "".join(call_text(*c) for _, c in calls)})
+            written = "".join(render_function_call(name, arguments) for _, (name, arguments) in calls)
+            msgs.append({"role": "assistant", "content": thought + "</reason>" + written})
         elif thought:
             if "<tool_call>" in thought:
                 raise Skip("reply text contains <tool_call>")
@@ -122,7 +127,8 @@ def build(steps, tools=None):
     if any(s in json.dumps(m) for m in msgs for s in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")):
         raise Skip("contains chat special tokens")
     for m in msgs:  # the tool call must parse back exactly (code containing "</tool_call>" would not)
-        if "tool_call" in m and parse_tool_call(render_assistant_turn(m)) != (m["tool_call"]["code"], m["tool_call"]["input"]):
+        call = m.get("tool_call")
+        if call is not None and parse_tool_call(render_assistant_turn(m)) != (call["code"], call["input"]):
             raise Skip("tool call does not round-trip")
     if tools or any(i.strip() for i in instructions):
         msgs.insert(0, {"role": "system", "content": system_prompt(tools, "\n\n".join(instructions))})
@@ -151,6 +157,9 @@ def json_objects(text):
 # -----------------------------------------------------------------------------
 # Sources: one converter per record format.
 
+_GLAIVE_CALL = re.compile(r"""\{\s*"name":\s*"([^"]+)",\s*"arguments":\s*'(.*)'\s*\}""", re.DOTALL)
+
+
 def from_glaive(row):
     """system: "SYSTEM: ... -\\n{function}\\n{function}"; chat: "USER: ... ASSISTANT: ... <functioncall>
     {"name": ..., "arguments": '<json>'} <|endoftext|> FUNCTION RESPONSE: ... ASSISTANT: ..."."""
@@ -170,7 +179,7 @@ def from_glaive(row):
             before, has_call, call = body.partition("<functioncall>")
             steps.append(("assistant", before))
             if has_call:
-                m = re.fullmatch(r"""\{\s*"name":\s*"([^"]+)",\s*"arguments":\s*'(.*)'\s*\}""", call.strip(), re.DOTALL)
+                m = _GLAIVE_CALL.fullmatch(call.strip())
                 try:
                     c = {"name": m.group(1), "arguments": m.group(2)} if m else json.loads(call)
                     args = json.loads(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"]
@@ -198,7 +207,8 @@ def bracket_calls(text):
             return None
         calls = []
         for i, c in enumerate(tree.elts):
-            if not isinstance(c, ast.Call) or c.args or not isinstance(c.func, ast.Name) or c.func.id != f"_f{i}":
+            if (not isinstance(c, ast.Call) or c.args or not isinstance(c.func, ast.Name)
+                    or c.func.id != f"_f{i}"):
                 return None
             calls.append((names[i], {k.arg: ast.literal_eval(k.value) for k in c.keywords}))
         return calls
@@ -264,7 +274,8 @@ def from_tulu(row):
     return build(chat_steps(row["messages"]))
 
 
-_LLAMA_TURN = re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\s*(.*?)\s*(?=<\|eot_id\|>|<\|start_header_id\|>|$)", re.DOTALL)
+_LLAMA_TURN = re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\s*(.*?)\s*"
+                         r"(?=<\|eot_id\|>|<\|start_header_id\|>|$)", re.DOTALL)
 
 
 def from_nemotron_chat(row):
@@ -273,62 +284,95 @@ def from_nemotron_chat(row):
         raise Skip("reasoning on")
     inp = row["input"]
     if isinstance(inp, str):
-        inp = [{"role": r, "content": c} for r, c in _LLAMA_TURN.findall(inp)] or [{"role": "user", "content": inp}]
+        turns = [{"role": r, "content": c} for r, c in _LLAMA_TURN.findall(inp)]
+        inp = turns or [{"role": "user", "content": inp}]
     inp = [m for m in inp if not (m.get("role") == "system" and "detailed thinking" in m.get("content", ""))]
     output = re.sub(r"^\s*<think>.*?</think>", "", row["output"], flags=re.DOTALL).replace("<|eot_id|>", "")
     return build(chat_steps(inp) + [("assistant", output)])
 
 
-# name: (dataset, config, split, paper's count (§4.1; None = all), converter)
+# name: (dataset, config, split, columns, streamed, paper's count (§4.1; None = all), converter)
 SOURCES = {
-    "toolace": ("Team-ACE/ToolACE", "default", "train", None, from_toolace),
-    "apigen": ("Salesforce/APIGen-MT-5k", "default", "train", None, from_apigen),
-    "glaive": ("glaiveai/glaive-function-calling-v2", "default", "train", 101_000, from_glaive),
-    "magicoder": ("ise-uiuc/Magicoder-OSS-Instruct-75K", "default", "train", 48_000, from_magicoder),
-    "tulu_if": ("allenai/tulu-3-sft-personas-instruction-following", "default", "train", 30_000, from_tulu),
-    "chat": ("nvidia/Llama-Nemotron-Post-Training-Dataset", "SFT", "chat", 27_000, from_nemotron_chat),
+    "toolace": ("Team-ACE/ToolACE", "default", "train",
+                ["system", "conversations"], False, None, from_toolace),
+    "apigen": ("Salesforce/APIGen-MT-5k", "default", "train",
+               ["system", "tools", "conversations"], False, None, from_apigen),
+    "glaive": ("glaiveai/glaive-function-calling-v2", "default", "train",
+               ["system", "chat"], False, 101_000, from_glaive),
+    "magicoder": ("ise-uiuc/Magicoder-OSS-Instruct-75K", "default", "train",
+                  ["lang", "problem", "solution"], False, 48_000, from_magicoder),
+    "tulu_if": ("allenai/tulu-3-sft-personas-instruction-following", "default", "train",
+                ["messages"], False, 30_000, from_tulu),
+    "chat": ("nvidia/Llama-Nemotron-Post-Training-Dataset", "SFT", "chat",
+             ["input", "output", "reasoning"], True, 27_000, from_nemotron_chat),
 }
+
+
+def failure_hint(error, name, source):
+    """What to do when a source cannot be read."""
+    dataset, columns = SOURCES[name][0], SOURCES[name][3]
+    if "gated" in str(error).lower():
+        return f"accept its terms on https://huggingface.co/datasets/{dataset}, export HF_TOKEN=<read token>"
+    if isinstance(error, ConnectionError):  # no network, or HF_DATASETS_OFFLINE=1 with nothing cached
+        return (f"no network: --local {name}=FILE reads a copy on disk, HF_DATASETS_OFFLINE=1 what an "
+                f"earlier run cached; or leave the source out (--sources)")
+    return f"{source} must exist and have the columns {', '.join(columns)} (SOURCES in data/prepare_sft.py)"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Build the non-reasoning SFT mix as {messages} JSONL.")
-    parser.add_argument("--out", default="data/sft.jsonl", help="output JSONL, one {\"messages\": [...]} per line")
-    parser.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES), help="which sources to include")
-    parser.add_argument("--max-per-source", type=int, default=None, help="keep at most this many conversations per source (default: the paper's counts)")
-    parser.add_argument("--strict", action="store_true", help="exit non-zero if any source could not be downloaded")
-    parser.add_argument("--hub-url", default=HUB_ROWS_URL, help="datasets-server base URL")
+    parser.add_argument("--out", default="data/sft.jsonl", help='output JSONL of {"messages": [...]}')
+    parser.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES),
+                        help="which sources to include")
+    parser.add_argument("--max-per-source", type=int, default=None,
+                        help="keep at most this many conversations per source (default: the paper's counts)")
+    parser.add_argument("--strict", action="store_true", help="exit non-zero if any source could not be read")
+    parser.add_argument("--local", nargs="+", default=[], metavar="NAME=PATH",
+                        help="read source NAME from a local JSONL or parquet file with the hub set's columns")
     args = parser.parse_args(argv)
+    local = dict(item.partition("=")[::2] for item in args.local)
+    if bad := [k for k, path in local.items() if k not in SOURCES or not path]:
+        parser.error(f"--local takes NAME=PATH with NAME one of {', '.join(SOURCES)}, not {', '.join(bad)}")
 
     conversations, failed = [], {}
     for name in args.sources:
-        dataset, config, split, paper_count, convert = SOURCES[name]
+        dataset, config, split, columns, streaming, paper_count, convert = SOURCES[name]
         cap = min(n for n in (paper_count, args.max_per_source, float("inf")) if n is not None)
+        file = local.get(name)
+        source = file or f"{dataset} ({config}/{split})"
         kept, dropped = 0, Counter()
-        print(f"{name}: downloading {dataset} ({config}/{split}) ...", flush=True)
+        print(f"{name}: reading {source} ...", flush=True)
         try:
-            for row in fetch_rows(dataset, config, split, base_url=args.hub_url):
+            if file:  # load_dataset("json" | "parquet", data_files=...) reads a file as it reads a hub set
+                kind = "parquet" if file.endswith(".parquet") else "json"
+                rows = load_dataset(kind, data_files=file, split="train", streaming=streaming)
+            else:
+                rows = load_dataset(dataset, config, split=split, streaming=streaming)
+            for row in rows.select_columns(columns):
                 if kept >= cap:
                     break
                 try:
-                    if row.pop("_truncated"):
-                        raise Skip("cut short by the rows API")
                     conversations.append({"messages": convert(row)})
                     kept += 1
                 except Skip as e:
                     dropped[str(e)] += 1
                 except (KeyError, TypeError, ValueError) as e:  # a malformed record is one drop, not a crash
-                    dropped[f"malformed record ({type(e).__name__}{f': {e}' if isinstance(e, KeyError) else ''})"] += 1
-        except FetchError as e:
-            failed[name] = f"{name}: DOWNLOAD FAILED after {kept} conversations\n{e}"
-        print(f"{name}: kept {kept}" + ("  (download failed, see the end)" if name in failed else ""))
+                    detail = f": {e}" if isinstance(e, KeyError) else ""
+                    dropped[f"malformed record ({type(e).__name__}{detail})"] += 1
+        except (OSError, ValueError, DatasetsError) as e:  # no file or set, no network, gated, renamed column
+            hint = failure_hint(e, name, source)
+            failed[name] = f"{name}: FAILED after {kept} conversations: {e}\n---> HINT: {hint}"
+        print(f"{name}: kept {kept}" + ("  (failed, see the end)" if name in failed else ""))
         for why, c in dropped.most_common():
             print(f"    dropped {c:6d}  {why}")
 
     for err in failed.values():
         print("\n" + err, file=sys.stderr)
     if not conversations:
-        sys.exit("no conversations: nothing was downloaded or converted (see above)")
-    write_jsonl(args.out, conversations)
+        sys.exit("no conversations: nothing was read or converted (see above)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
     print(f"wrote {len(conversations)} conversations to {args.out}"
           + (f"; missing sources: {', '.join(failed)}" if failed else ""))
     if failed and args.strict:

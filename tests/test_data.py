@@ -1,13 +1,13 @@
 """data/prepare_{rl,eval,sft}.py: the integer filter, 8-gram decontamination, de-duplication, the SFT
-conversions (rendered by rollout.render_messages), load_benchmark, and each script end to end
-against a local stand-in for the datasets-server /rows API."""
-import http.server
+conversions (rendered by rollout.render_messages), and each script end to end on local JSONL and
+parquet files with the real sources' columns, offline, with a library cache of the test's own."""
 import json
 import os
+import subprocess
 import sys
-import threading
-import urllib.parse
 
+import pyarrow
+import pyarrow.parquet
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +27,7 @@ from rollout import SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, parse_tool_call, rend
 @pytest.mark.parametrize("raw, expected", [
     ("42", "42"), (" $42$ ", "42"), ("+7", "7"), ("-5", "-5"), ("\\boxed{12}", "12"), ("$\\boxed{12}$.", "12"),
     ("12.0", "12"), ("12.", "12"), ("1,000", "1000"), ("1{,}000", "1000"), ("1\\,000", "1000"), ("033", "33"),
-    (12, "12"),
+    (12, "12"), ("1 000", "1000"), ("\\(-3\\)", "-3"), ("0.00", "0"),
 ])
 def test_integer_answers_are_kept_in_canonical_form(raw, expected):
     assert prepare_rl.integer_answer(raw) == (expected, "ok"), f"{raw!r} is an integer and should become {expected!r}"
@@ -37,6 +37,7 @@ def test_integer_answers_are_kept_in_canonical_form(raw, expected):
     ("\\frac{1}{2}", "not an integer"), ("3/4", "not an integer"), ("12.5", "not an integer"),
     ("2\\sqrt{2}", "not an integer"), ("x = 5", "not an integer"), ("5 cm", "not an integer"),
     ("1,2", "not an integer"), ("6.5e27330467", "not an integer"), ("", "empty answer"), ("$ $", "empty answer"),
+    ("\\boxed{}", "empty answer"),
     ("1" * 21, "more than 20 digits"),
 ])
 def test_non_integer_answers_are_rejected_with_a_reason(raw, reason):
@@ -292,116 +293,111 @@ def test_every_converted_record_renders_and_its_calls_parse_back():
 
 
 # -----------------------------------------------------------------------------
-# load_benchmark
-
-
-def test_load_benchmark_reads_a_local_jsonl(tmp_path):
-    path = tmp_path / "mine.jsonl"
-    path.write_text('{"question": "1+1?", "answer": 2}\n\n{"question": "2+2?", "answer": "4", "id": 7}\n')
-    assert prepare_eval.load_benchmark(str(path)) == [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
-
-
-def test_load_benchmark_reads_the_cache_without_downloading(tmp_path):
-    (tmp_path / "aime24.jsonl").write_text('{"question": "q", "answer": "1"}\n')
-    assert prepare_eval.load_benchmark("aime24", cache_dir=str(tmp_path), base_url="http://127.0.0.1:9") == \
-        [{"question": "q", "answer": "1"}]
-
-
-def test_load_benchmark_errors_say_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match="(?s)unknown benchmark 'aime2099'.*HINT"):
-        prepare_eval.load_benchmark("aime2099")
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"problem": "q"}\n')
-    with pytest.raises(ValueError, match="(?s)bad.jsonl:1.*HINT"):
-        prepare_eval.load_benchmark(str(bad))
-
-
-# -----------------------------------------------------------------------------
-# End to end against a local /rows server
-
-
-class RowsServer:
-    """Serves {(dataset, config, split): rows} like the datasets-server /rows endpoint; 404 otherwise."""
-
-    def __init__(self, tables, truncated=()):
-        tables, truncated, self.requests = tables, set(truncated), []
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                q = {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query).items()}
-                server.requests.append(q)
-                rows = tables.get((q.get("dataset"), q.get("config"), q.get("split")))
-                if rows is None:
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                start, length = int(q["offset"]), int(q["length"])
-                assert length <= 100, "the API serves at most 100 rows a request"
-                page = [{"row_idx": i, "row": rows[i], "truncated_cells": ["prompt"] if i in truncated else []}
-                        for i in range(start, min(start + length, len(rows)))]
-                body = json.dumps({"rows": page, "num_rows_total": len(rows)}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+# End to end: each script as a command on local files. A subprocess, because the datasets library
+# reads HF_DATASETS_OFFLINE and its cache location from the environment when it is imported.
 
 
 @pytest.fixture
-def hub():
-    servers = []
-
-    def start(tables, truncated=()):
-        servers.append(RowsServer(tables, truncated))
-        return servers[-1]
-    yield start
-    for s in servers:
-        s.close()
+def offline(tmp_path, monkeypatch):
+    """No network for the library, and a cache under tmp_path instead of the user's."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
 
 
-def test_prepare_eval_then_prepare_rl_end_to_end(hub, tmp_path, capsys):
-    bench = {name: [{"problem": f"{name} problem {i}: " + BENCH["aime24"][0]["question"] if i == 0 else f"{name} problem {i}",
-                     "answer": str(i)} for i in range(3)] for name in prepare_eval.BENCHMARKS}
-    tables = {(d, c, s): bench[name] for name, (d, c, s, *_) in prepare_eval.BENCHMARKS.items()}
-    dapo = [{"prompt": f"What is {i} times 3?", "solution": str(3 * i)} for i in range(150)]  # two pages
-    dapo += [{"prompt": "What is 1 times 3?", "solution": "3"},                   # duplicate
-             {"prompt": "What is a half?", "solution": "\\frac{1}{2}"},           # not an integer
-             {"prompt": BENCH["aime24"][0]["question"], "solution": "699"},       # contaminated
-             {"prompt": "A cut-short row", "solution": "1"}]                      # truncated by the API
-    tables["open-r1/DAPO-Math-17k-Processed", "en", "train"] = dapo
-    server = hub(tables, truncated={len(dapo) - 1})
+def run(script, *args):
+    """`python data/<script> args...` in the test's environment: (exit code, stdout, stderr)."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "data", script), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_parquet(path, rows):
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_benchmarks(tmp_path):
+    """The four benchmarks in their hub columns (problem, answer, and one more), two as parquet;
+    each benchmark's first problem is the AIME problem of BENCH. Returns the --local arguments."""
+    files = []
+    for k, name in enumerate(prepare_eval.BENCHMARKS):
+        rows = [{"problem": f"{name} problem {i}", "answer": str(i), "id": i} for i in range(3)]
+        rows[0]["problem"] = f"{name}: " + BENCH["aime24"][0]["question"]
+        if k % 2:
+            files.append(f"{name}={write_parquet(tmp_path / f'{name}.parquet', rows)}")
+        else:
+            files.append(f"{name}={write_jsonl(tmp_path / f'{name}.jsonl', rows)}")
+    return files
+
+
+def test_prepare_eval_then_prepare_rl_on_local_files(offline, tmp_path):
     eval_dir = tmp_path / "eval"
+    local = write_benchmarks(tmp_path)
+    code, out, err = run("prepare_eval.py", "--out-dir", eval_dir, "--local", *local)
+    assert code == 0, err
+    for name in prepare_eval.BENCHMARKS:
+        problems = read_jsonl(eval_dir / f"{name}.jsonl")
+        assert [p["answer"] for p in problems] == ["0", "1", "2"] and set(problems[0]) == {"question", "answer"}, \
+            f"{name}: every row as {{question, answer}}, answers as strings, other columns dropped"
+        assert f"{name}: 3 problems from {tmp_path / name}." in out
+    assert "warning: math500 has 3 problems, not 500" in out, "a count unlike the real set's must be flagged"
+    assert any((tmp_path / "hf" / "datasets").iterdir()), "the library's cache must be the test's own"
 
-    prepare_eval.main(["--out-dir", str(eval_dir), "--hub-url", server.url])
-    assert prepare_eval.load_benchmark("hmmt25", cache_dir=str(eval_dir)) == \
-        [{"question": p["problem"], "answer": p["answer"]} for p in bench["hmmt25"]]
+    code, out, err = run("prepare_eval.py", "--out-dir", eval_dir)  # offline, no --local: any read would fail
+    assert code == 0 and out.count("problems already in") == 4, "existing files are kept without --force"
 
-    out = tmp_path / "rl.jsonl"
-    prepare_rl.main(["--out", str(out), "--eval-dir", str(eval_dir), "--hub-url", server.url])
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows == [{"question": f"What is {i} times 3?", "answer": str(3 * i)} for i in range(150)]
-    printed = capsys.readouterr().out
+    dapo = [{"prompt": f"What is {i} times 3?", "solution": str(3 * i), "data_source": "x"} for i in range(150)]
+    dapo += [{"prompt": "What is 1 times 3?", "solution": "3", "data_source": "x"},                # duplicate
+             {"prompt": "What is a half?", "solution": "\\frac{1}{2}", "data_source": "x"},        # not an integer
+             {"prompt": BENCH["aime24"][0]["question"], "solution": "699", "data_source": "x"},  # contaminated
+             {"prompt": "What is nothing?", "solution": "", "data_source": "x"}]                   # empty answer
+    openmath = [dict(problem="How many sides has a square?", expected_answer="4"),
+                dict(problem="Prove it.", expected_answer="", problem_type="converted_proof"),
+                dict(problem="How many sides has a pentagon?", expected_answer="5", pass_rate_72b_tir="0.0625"),
+                dict(problem="How many sides has a hexagon?", expected_answer="6", pass_rate_72b_tir="n/a"),
+                dict(problem="What is 2 times 3?", expected_answer="6"),                           # in DAPO already
+                dict(problem="How many grams in a kilogram?", expected_answer="1{,}000"),
+                dict(problem="Beyond --openmath-rows: never read", expected_answer="7")]
+    openmath = [dict(dict(problem_type="has_answer_extracted", pass_rate_72b_tir="0.5", generated_solution="..."), **r)
+                for r in openmath]
+    out_file = tmp_path / "rl.jsonl"
+    code, out, err = run("prepare_rl.py", "--out", out_file, "--eval-dir", eval_dir, "--openmath-rows", 6,
+                         "--local", f"dapo={write_jsonl(tmp_path / 'dapo.jsonl', dapo)}",
+                         f"openmath={write_parquet(tmp_path / 'openmath.parquet', openmath)}")
+    assert code == 0, err
+    assert read_jsonl(out_file) == [{"question": f"What is {i} times 3?", "answer": str(3 * i)} for i in range(150)] + [
+        {"question": "How many sides has a square?", "answer": "4"},
+        {"question": "How many grams in a kilogram?", "answer": "1000"}], "kept problems, in order, answers canonical"
     for line in ("dapo: 154 rows, kept 150", "1  duplicate question", "1  not an integer", "1  overlaps aime24",
-                 "1  cut short by the rows API"):
-        assert line in printed, f"the summary must report {line!r}"
-    assert sorted(int(r["offset"]) for r in server.requests if r["dataset"].startswith("open-r1")) == [0, 100]
+                 "1  empty answer", "openmath: 6 rows, kept 2", "1  no extracted answer", "1  pass rate < 0.125",
+                 "1  no pass rate", "wrote 152 problems"):
+        assert line in out, f"the summary must report {line!r}:\n{out}"
 
 
-def test_load_benchmark_downloads_a_missing_benchmark(hub, tmp_path):
-    server = hub({("HuggingFaceH4/MATH-500", "default", "test"): [{"problem": "q", "answer": "\\frac{1}{2}", "level": 3}]})
-    assert prepare_eval.load_benchmark("math500", str(tmp_path), base_url=server.url) == [{"question": "q", "answer": "\\frac{1}{2}"}]
-    assert (tmp_path / "math500.jsonl").exists(), "the download is cached"
+def test_prepare_eval_names_each_failed_benchmark_and_what_to_do(offline, tmp_path):
+    renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"question": "q", "solution": "1"}])
+    code, out, err = run("prepare_eval.py", "--out-dir", tmp_path / "eval", "--benchmarks", "aime24", "aime25", "hmmt25",
+                         "--local", f"aime24={tmp_path / 'missing.jsonl'}", f"hmmt25={renamed}")
+    assert code != 0 and "could not prepare aime24, aime25, hmmt25" in err
+    failures = {line.split(":")[0]: line for line in err.split("\n") if ": FAILED to read" in line}
+    assert "missing.jsonl" in failures["aime24"] and "MathArena/aime_2025" in failures["aime25"] \
+        and "renamed.jsonl" in failures["hmmt25"], f"each failure must name the benchmark and its source:\n{err}"
+    hints = [line for line in err.split("\n") if line.startswith("---> HINT:")]
+    assert len(hints) == 3, err
+    assert "--local aime25=FILE" in hints[1] and "HF_DATASETS_OFFLINE" in hints[1], "no network: offline cache or a file"
+    assert "problem and answer" in hints[2] and "BENCHMARKS" in hints[2], "a renamed column: which columns, where to fix"
+    assert not (tmp_path / "eval").exists(), "nothing is written for a failed benchmark"
 
 
 def test_prepare_rl_without_benchmarks_says_to_run_prepare_eval(tmp_path):
@@ -409,30 +405,41 @@ def test_prepare_rl_without_benchmarks_says_to_run_prepare_eval(tmp_path):
         prepare_rl.main(["--out", str(tmp_path / "rl.jsonl"), "--eval-dir", str(tmp_path / "nothing")])
 
 
-def test_download_failure_names_the_source_and_what_to_do(hub, tmp_path):
-    server = hub({})
-    with pytest.raises(prepare_rl.FetchError, match="(?s)HuggingFaceH4/aime_2024.*url: .*HINT"):
-        prepare_eval.load_benchmark("aime24", str(tmp_path), base_url=server.url)
-    with pytest.raises(SystemExit, match="could not prepare aime25"):
-        prepare_eval.main(["--benchmarks", "aime25", "--out-dir", str(tmp_path), "--hub-url", server.url])
+def test_prepare_rl_failure_names_the_source_and_what_to_do(offline, tmp_path):
+    write_jsonl(tmp_path / "b.jsonl", BENCH["aime24"])
+    args = ["--out", tmp_path / "rl.jsonl", "--benchmarks", tmp_path / "b.jsonl"]
+    code, out, err = run("prepare_rl.py", *args)  # the hub, offline and nothing cached
+    assert code != 0 and "dapo: could not read open-r1/DAPO-Math-17k-Processed" in err
+    assert "---> HINT:" in err and "--local dapo=FILE" in err, err
+    renamed = write_parquet(tmp_path / "dapo.parquet", [{"problem": "What is 1+1?", "answer": "2"}])
+    code, out, err = run("prepare_rl.py", *args, "--local", f"dapo={renamed}")
+    assert code != 0 and f"dapo: could not read {renamed}" in err
+    assert "---> HINT:" in err and "the columns prompt, solution" in err, err
+    assert not (tmp_path / "rl.jsonl").exists()
 
 
-def test_prepare_sft_end_to_end_reports_missing_sources(hub, tmp_path, capsys):
-    tables = {("glaiveai/glaive-function-calling-v2", "default", "train"): [GLAIVE, {"system": "", "chat": "FUNCTION RESPONSE: 1"}],
-              ("ise-uiuc/Magicoder-OSS-Instruct-75K", "default", "train"): [MAGICODER] * 3 + [dict(MAGICODER, lang="rust")],
-              ("allenai/tulu-3-sft-personas-instruction-following", "default", "train"): [TULU]}
-    server = hub(tables)
-    out = tmp_path / "sft.jsonl"
-    rows = prepare_sft.main(["--out", str(out), "--sources", "glaive", "magicoder", "tulu_if", "apigen",
-                             "--max-per-source", "2", "--hub-url", server.url])
-    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
-    assert len(rows) == 1 + 2 + 1, "glaive 1 (1 dropped), magicoder capped at 2, tulu 1, apigen failed"
-    captured = capsys.readouterr()
-    assert "glaive: kept 1" in captured.out and "1  tool result without a call" in captured.out
-    assert "magicoder: kept 2" in captured.out
-    assert "apigen: DOWNLOAD FAILED after 0 conversations" in captured.err and "Salesforce/APIGen-MT-5k" in captured.err and "HINT" in captured.err
-    assert "missing sources: apigen" in captured.out
-    with pytest.raises(SystemExit, match="--strict"):
-        prepare_sft.main(["--out", str(out), "--sources", "tulu_if", "apigen", "--strict", "--hub-url", server.url])
-    with pytest.raises(SystemExit, match="no conversations"):
-        prepare_sft.main(["--out", str(out), "--sources", "apigen", "--hub-url", server.url])
+def test_prepare_sft_on_local_files_reports_counts_and_missing_sources(offline, tmp_path):
+    local = [f"glaive={write_jsonl(tmp_path / 'glaive.jsonl', [GLAIVE, {'system': '', 'chat': 'FUNCTION RESPONSE: 1'}])}",
+             f"magicoder={write_parquet(tmp_path / 'magicoder.parquet', [MAGICODER] * 3 + [dict(MAGICODER, lang='rust')])}",
+             f"tulu_if={write_jsonl(tmp_path / 'tulu.jsonl', [TULU])}",
+             f"chat={write_jsonl(tmp_path / 'chat.jsonl', [NEMOTRON, dict(NEMOTRON, reasoning='on')])}"]
+    out_file = tmp_path / "sft.jsonl"
+    code, out, err = run("prepare_sft.py", "--out", out_file, "--sources", "glaive", "magicoder", "tulu_if", "chat",
+                         "apigen", "--max-per-source", 2, "--local", *local)
+    assert code == 0, err
+    rows = read_jsonl(out_file)
+    assert rows == [{"messages": m} for m in [prepare_sft.from_glaive(GLAIVE)] + [prepare_sft.from_magicoder(MAGICODER)] * 2
+                    + [prepare_sft.from_tulu(TULU), prepare_sft.from_nemotron_chat(NEMOTRON)]], \
+        "glaive 1 (1 dropped), magicoder capped at 2, tulu 1, chat 1 (streamed; 1 dropped), apigen failed"
+    for line in ("glaive: kept 1", "1  tool result without a call", "magicoder: kept 2", "tulu_if: kept 1",
+                 "chat: kept 1", "1  reasoning on", "apigen: kept 0  (failed", "missing sources: apigen"):
+        assert line in out, f"the summary must report {line!r}:\n{out}"
+    assert "apigen: FAILED after 0 conversations" in err and "Salesforce/APIGen-MT-5k" in err
+    assert "---> HINT:" in err and "--local apigen=FILE" in err, err
+
+    code, out, err = run("prepare_sft.py", "--out", out_file, "--sources", "tulu_if", "apigen", "--strict",
+                         "--local", local[2])
+    assert code != 0 and "--strict: 1 source(s) failed" in err
+    code, out, err = run("prepare_sft.py", "--out", tmp_path / "none.jsonl", "--sources", "magicoder",
+                         "--local", f"magicoder={tmp_path / 'missing.parquet'}")
+    assert code != 0 and "no conversations" in err and "missing.parquet must exist" in err
