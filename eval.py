@@ -24,9 +24,10 @@ import os
 import time
 from collections import defaultdict
 
-from rollout import RolloutConfig, make_engine, render_prompt
+from engine import make_engine
+from rollout import RolloutConfig, drop_long_prompts, prompt_ids
 from scheduler import ProblemQueue, rollout_scheduled
-from training import read_problems
+from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed, read_problems
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's evaluation settings (1); --filter-solved uses training's (4).
@@ -44,9 +45,13 @@ def get_args(argv=None):
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     parser.add_argument("--max-response", type=int, default=30000, help="token budget per trajectory, sampled and tool tokens together")
     parser.add_argument("--max-turns", type=int, default=30, help="assistant turns per trajectory (T)")
+    parser.add_argument("--max-prompt", type=int, default=4096,
+                        help="problems whose prompt has more tokens are dropped (and counted)")
+    parser.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,
+                        help="under torchrun: how long a rank may wait for the others' rollouts")
     parser.add_argument("--max-model-len", type=int, default=None, help="engine context; default: longest prompt + --max-response, capped at the model's context")
     parser.add_argument("--memory-fraction", type=float, default=0.85, help="GPUs: share of GPU memory for vLLM (weights + KV cache)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="CPUs: the engine's KV cache in tokens (default: rollout.CPU_KV_CACHE_TOKENS)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="CPUs: the engine's KV cache in tokens (default: engine.CPU_KV_CACHE_TOKENS)")
     parser.add_argument("--tool-workers", type=int, default=None, help="sandbox workers per rank (default: the CPU cores shared among the node's ranks)")
     parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds a tool call may run")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (every turn of every sample derives its own)")
@@ -157,7 +162,8 @@ def evaluate(llm, tokenizer, sandbox, benchmarks: dict[str, list[dict]], cfg: Ro
     for name, probs in benchmarks.items():
         names += [(name, i) for i in range(len(probs))]
         problems += probs
-    problem_queue = ProblemQueue(f"eval/{next(_batches)}", distributed=distributed)
+    group = cpu_group() if distributed else None  # ranks that finish early wait on gloo, not NCCL
+    problem_queue = ProblemQueue(f"eval/{next(_batches)}", distributed=distributed, group=group)
     trajs, _ = rollout_scheduled(llm.llm_engine, tokenizer, sandbox, problems, n, cfg, problem_queue)
     samples = [{"benchmark": names[t.index][0], "problem": names[t.index][1], "sample": t.sample,
                 "question": problems[t.index]["question"], "gold": t.gold, "answer": t.answer,
@@ -180,17 +186,22 @@ def main(argv=None, llm=None):
     distributed, rank = "RANK" in os.environ, 0
     if distributed:
         import torch.distributed as dist
-        from training import init_distributed
-        rank = init_distributed()[0]
+        rank = init_distributed(args.dist_timeout_minutes)[0]
     master = rank == 0
 
-    # -- data (before the engine: the longest prompt sizes its context)
+    # -- data (before the engine: the longest prompt sizes its context); overlong prompts are dropped
     from transformers import AutoConfig, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     paths = [args.data] if filtering else [benchmark_path(b, args.eval_dir) for b in args.benchmarks]
-    benchmarks = {name: read_problems(path) for name, path in zip(short_names(paths), paths)}
-    prompts = [render_prompt(p["question"]) for probs in benchmarks.values() for p in probs]
-    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    benchmarks = {}
+    for name, path in zip(short_names(paths), paths):
+        benchmarks[name], n_long = drop_long_prompts(read_problems(path), tokenizer, args.max_prompt)
+        if n_long and master:
+            print(f"{name}: dropped {n_long} problems with a prompt over {args.max_prompt} tokens")
+    if not all(benchmarks.values()):
+        raise ValueError(f"no problem left in {[b for b, p in benchmarks.items() if not p]}\n"
+                         f"---> HINT: raise --max-prompt (every prompt there is longer)")
+    longest = max(len(prompt_ids(tokenizer, p["question"])) for probs in benchmarks.values() for p in probs)
     context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     if args.max_model_len is None:
         args.max_model_len = longest + args.max_response
@@ -252,7 +263,7 @@ def main(argv=None, llm=None):
             f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
         print(f"wrote table.json, samples.jsonl ({len(samples)} samples) and eval_config.json to {args.out_dir}")
     if distributed:  # vLLM 0.32's engine shutdown destroys the process group: destroying it here breaks that
-        dist.barrier()
+        dist.barrier(group=cpu_group())
     return rows, samples
 
 

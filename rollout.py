@@ -5,7 +5,6 @@ that a driver steps (scheduler.py has two: the turn-synchronous baseline and the
 Trajectories are built from token ids, never by re-tokenizing text: the trainer scores exactly the sampled ids.
 """
 import json
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -245,80 +244,6 @@ def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[flo
 
 
 # -----------------------------------------------------------------------------
-# The vLLM engine. Each vLLM-specific detail lives in one named function (vllm 0.32).
-
-def kv_bytes_per_token(model: str, dtype_bytes: int) -> int:
-    """KV-cache bytes one token takes in every layer: keys and values, each KV heads x head size."""
-    from transformers import AutoConfig
-    c = AutoConfig.from_pretrained(model)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes
-
-
-CPU_KV_CACHE_TOKENS = 65536  # the CPU default: 256 MB for the toy model, 3 GB for a 135M Llama
-CPU_BLOCK = 128              # tokens per KV-cache block (vLLM 0.32's CPU default)
-
-
-def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: float = 0.5,
-                kv_cache_tokens: int | None = None, external_launcher: bool = False):
-    """The vLLM engine for this hardware. GPUs: bf16, sleep mode, `memory_fraction` of the GPU for
-    weights and KV cache. CPUs: fp32, eager mode, a KV cache of `kv_cache_tokens` tokens. (vLLM 0.32
-    on CPU turns a fraction into fraction x the NUMA node's memory minus this process's RSS, which is
-    negative on a machine with an 11 GB node: the cache is sized in bytes, the same on every machine.)"""
-    # In-process engine core: weights can then be handed over as tensors (see sync_weights).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import torch
-    from vllm import LLM
-    kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True)
-    if torch.cuda.is_available():
-        kwargs.update(dtype="bfloat16", enable_sleep_mode=True, gpu_memory_utilization=memory_fraction)
-    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt split by
-        # chunked prefill makes vllm 0.32 rewind the request's seeded generator, which CPU generators
-        # cannot do ("CPU Generator does not use offset"): prefill prompts whole.
-        kv_cache_tokens = kv_cache_tokens or CPU_KV_CACHE_TOKENS
-        blocks = -(-kv_cache_tokens // CPU_BLOCK) + 1  # whole blocks, and the null block vLLM sets aside
-        kwargs.update(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
-                      max_num_batched_tokens=max(max_model_len, 8192), block_size=CPU_BLOCK,
-                      kv_cache_memory_bytes=blocks * CPU_BLOCK * kv_bytes_per_token(model, dtype_bytes=4))
-    if external_launcher:  # under torchrun: one engine per rank, inside the ranks' process group
-        kwargs["distributed_executor_backend"] = "external_launcher"
-    try:
-        return LLM(**kwargs)
-    except ValueError as e:
-        if "kv_cache_memory_bytes" not in kwargs or "memory" not in str(e):
-            raise
-        gib = kwargs["kv_cache_memory_bytes"] / 2**30
-        raise RuntimeError(f"{e}\n---> HINT: a KV cache of {kv_cache_tokens} tokens ({gib:.2f} GiB) does not "
-                           f"fit in this machine's free memory: ask for fewer (--kv-cache-tokens) or free "
-                           f"some memory") from None
-
-
-def sync_weights(llm, named_tensors) -> None:
-    """Load trainer weights in place from an iterator of (name, tensor), HF names (vLLM 0.32's `reload_weights`)."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
-    llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
-
-
-def sleep(llm) -> None:
-    """Free GPU memory for training: weights to host RAM, KV cache dropped. A no-op on CPU (no sleep mode there)."""
-    if llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
-        llm.sleep(level=1)
-
-
-def wake(llm) -> None:
-    if llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
-        llm.wake_up()
-
-
-def kv_capacity_tokens(engine) -> int:
-    """How many tokens an LLMEngine's KV cache holds: vllm 0.32 keeps the block count in the cache
-    config, one of which (the null block) never holds a token."""
-    cache = engine.vllm_config.cache_config
-    return (cache.num_gpu_blocks - 1) * cache.block_size
-
-
-# -----------------------------------------------------------------------------
 # The turn logic (DESIGN.md §3 "Turns"): a per-trajectory state machine any driver can step.
 #   start_trajectories -> [sampling_params -> engine -> end_turn -> (sandbox) -> add_tool_turn]* -> finish
 
@@ -333,9 +258,21 @@ class RolloutConfig:
     kv_budget: int | None = None   # the scheduler admits within this many KV tokens (None: the engine's cache)
 
 
+def prompt_ids(tokenizer, question: str) -> list[int]:
+    """The token ids of a problem's prompt."""
+    return tokenizer.encode(render_prompt(question), add_special_tokens=False)
+
+
+def drop_long_prompts(problems: list[dict], tokenizer, max_prompt: int) -> tuple[list[dict], int]:
+    """The problems whose prompt fits in max_prompt tokens, and how many were dropped. (vLLM refuses
+    a request longer than its context: one such problem would stop its rank in the middle of a step.)"""
+    kept = [p for p in problems if len(prompt_ids(tokenizer, p["question"])) <= max_prompt]
+    return kept, len(problems) - len(kept)
+
+
 def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0) -> list[Trajectory]:
     """n fresh trajectories per problem ({"question", "answer"}), numbered from `offset`."""
-    prompts = [tokenizer.encode(render_prompt(p["question"]), add_special_tokens=False) for p in problems]
+    prompts = [prompt_ids(tokenizer, p["question"]) for p in problems]
     return [Trajectory(index=offset + i, sample=s, prompt_ids=list(ids), gold=str(p["answer"]))
             for i, (p, ids) in enumerate(zip(problems, prompts)) for s in range(n)]
 
@@ -346,11 +283,14 @@ def turn_seed(traj: Trajectory, cfg: RolloutConfig) -> int:
 
 
 def sampling_params(traj: Trajectory, cfg: RolloutConfig, tokenizer):
-    """The next turn's sampling: what is left of the budget, stop at <|im_end|>, a seed of its own."""
-    from vllm import SamplingParams
+    """The next turn's sampling: what is left of the budget, stop at <|im_end|>, a seed of its own.
+    The engine returns the finished turn's token ids only: no text (end_turn decodes it once) and
+    no partial outputs (under the external launcher vLLM does that work in the trainer's thread)."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=turn_seed(traj, cfg), logprobs=0,
                           max_tokens=cfg.max_response - len(traj.response_ids),
-                          stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END)])
+                          stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END)],
+                          output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
 
 
 def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], tokenizer, cfg: RolloutConfig):

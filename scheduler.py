@@ -30,8 +30,9 @@ import statistics
 import time
 from collections import deque
 
-from rollout import (RolloutConfig, add_tool_turn, batch_stats, end_turn, finish, kv_capacity_tokens, sampled,
-                     sampling_params, start_trajectories)
+from engine import kv_capacity_tokens
+from rollout import (RolloutConfig, add_tool_turn, batch_stats, end_turn, finish, sampled, sampling_params,
+                     start_trajectories)
 
 
 class ProblemQueue:
@@ -39,10 +40,11 @@ class ProblemQueue:
     fixed contiguous share (`share`, lockstep); `gather` gives every rank every rank's results.
     One rank: a local counter. Under torchrun (distributed=True): an atomic counter in
     torch.distributed's key-value store, which every rank already shares; `key` must be new for
-    every batch."""
+    every batch. Ranks that finish early wait in `gather`, on `group`: pass a gloo group on GPUs
+    (training.cpu_group()), so that the wait is not inside an NCCL collective."""
 
-    def __init__(self, key: str = "", distributed: bool = False):
-        self.rank, self.world_size, self.store = 0, 1, None
+    def __init__(self, key: str = "", distributed: bool = False, group=None):
+        self.rank, self.world_size, self.store, self.group = 0, 1, None, group
         if distributed:
             import torch.distributed as dist
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -64,7 +66,7 @@ class ProblemQueue:
             return list(items)
         import torch.distributed as dist
         parts = [None] * self.world_size
-        dist.all_gather_object(parts, items)
+        dist.all_gather_object(parts, items, group=self.group)
         return [x for part in parts for x in part]
 
 

@@ -6,7 +6,8 @@ tool call and instruction following, with the loss on assistant tokens only.
 
 1. Defaults are the paper's: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128.
 2. Conversations are rendered by rollout.render_messages: loss_mask = assistant tokens.
-3. FSDP2 per decoder layer (bf16 compute on GPU); `python sft.py` is a group of one (training.py).
+3. FSDP2 per decoder layer, rank 0 reading the weights (bf16 compute on GPU); `python sft.py` is a
+   group of one (training.py).
 4. A step's batch is dealt across ranks and cut into micro-batches (training.plan_micro_batches).
 5. Loss = mean over the step's assistant tokens (global count): any split, same gradient.
 """
@@ -19,11 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from rollout import render_messages
-from training import (empty_pass, init_distributed, plan_micro_batches, right_pad, save_hf_checkpoint,
-                      shard_model, token_logprobs)
+from training import (empty_pass, init_distributed, load_sharded_model, plan_micro_batches, right_pad,
+                      save_hf_checkpoint, token_logprobs)
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's recipe; a preset replaces some of them.
@@ -171,10 +172,7 @@ def main(argv=None):
 
     # ---- model + FSDP2 ----
     save_dtype = AutoConfig.from_pretrained(args.model).dtype or torch.float32  # saved in the dtype it came in
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = shard_model(model, device).train()
+    model = load_sharded_model(args.model, device, activation_checkpointing=bool(args.grad_checkpointing)).train()
 
     # ---- optimizer ----
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)

@@ -1,31 +1,44 @@
 """The training machinery sft.py and train.py share (eval.py uses the process group and the reader).
 
-1. The process group: torchrun's environment, or a group of one; NCCL on GPUs, gloo on CPUs.
-2. FSDP2: every decoder layer sharded, then the root (embeddings, final norm, head); bf16 compute
-   with fp32 master weights and fp32 gradient reduction on GPUs, fp32 throughout on CPUs.
+1. The process group: torchrun's environment, or a group of one; NCCL on GPUs, gloo on CPUs, with
+   a timeout that fits RL (ranks wait minutes for each other's rollouts), and a gloo group for
+   Python objects and waits, so that no rank ever waits inside an NCCL collective.
+2. The model: rank 0 reads the checkpoint, the other ranks build it on the meta device; FSDP2
+   shards every decoder layer, then the root (embeddings, final norm, head); the full weights go
+   from rank 0 into every rank's shards. bf16 compute with fp32 master weights and fp32 gradient
+   reduction on GPUs, fp32 throughout on CPUs.
 3. Micro-batches: one plan for a step's sequences. They are dealt longest first, each to the rank
    with the fewest tokens so far; each rank's share is cut into micro-batches by a token budget;
    every rank runs as many passes as the busiest (FSDP's collectives need all ranks in each one).
-4. Token log-probs: log p(token t+1 | tokens <= t) at every position, the numbers both losses use.
-5. HF export: the full weights gathered from the shards and written by rank 0, with the tokenizer.
-6. The problem reader: {"question", "answer"} JSONL, checked line by line.
+4. Token log-probs: log p(token t+1 | tokens <= t) at every position, the numbers both losses use,
+   computed over chunks of positions so that memory grows with the chunk, not tokens x vocabulary.
+5. Weights out: to the engine one parameter at a time; an HF export written by rank 0.
+6. Files: the problem reader ({"question", "answer"} JSONL, checked line by line), and the check
+   that an output folder is shared by every rank (checkpoints are written by all, renamed by one).
 """
 import copy
+import datetime
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
 # (1) The process group
 
+DIST_TIMEOUT_MINUTES = 240  # longer than a rank ever waits: a stage-2 straggler, a 30K-token evaluation
+_cpu_group = None
 
-def init_distributed():
-    """Join torchrun's process group, or make a group of one. Returns (rank, local_rank, world_size, device)."""
+
+def init_distributed(timeout_minutes: float = DIST_TIMEOUT_MINUTES):
+    """Join torchrun's process group, or make a group of one. Returns (rank, local_rank, world_size,
+    device)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -33,15 +46,23 @@ def init_distributed():
     if device.type == "cuda":  # torch.cuda is also the ROCm device API
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized() and "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     elif not dist.is_initialized():  # a group of one needs no rendezvous: an in-process store, no port
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    global _cpu_group
+    _cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     return rank, local_rank, world_size, device
 
 
+def cpu_group():
+    """The group for Python objects and for waiting on other ranks: gloo, on the CPU (a rank that
+    waits inside an NCCL collective is killed by NCCL's watchdog, and objects would go via GPU)."""
+    return _cpu_group
+
 # -----------------------------------------------------------------------------
-# (2) FSDP2
+# (2) The model and FSDP2
 
 
 def shard_model(model, device):
@@ -60,6 +81,30 @@ def shard_model(model, device):
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
+
+def load_sharded_model(path: str, device, activation_checkpointing: bool = False):
+    """The model at `path` in fp32, sharded. Only rank 0 reads the weights into host memory: a node
+    holds one full copy, not one per rank (8 x 59 GB at 14B). The others build the model on the
+    meta device (no memory); set_model_state_dict then broadcasts rank 0's weights into every
+    rank's shards. Buffers computed at construction (rotary frequencies) are broadcast too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if dist.get_rank() == 0:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        full_state = model.state_dict()
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        full_state = {}
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shard_model(model, device)
+    if dist.get_rank() != 0:
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state, options=options)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    return model
 
 # -----------------------------------------------------------------------------
 # (3) Micro-batches
@@ -94,24 +139,59 @@ def right_pad(rows: list[list], value) -> torch.Tensor:
 
 
 def empty_pass(model, pad_id: int, device) -> None:
-    """A forward and backward of one token with a zero loss, for a rank with no micro-batch left."""
-    logits = model(input_ids=torch.full((1, 1), pad_id, device=device), use_cache=False).logits
-    (logits.sum() * 0.0).backward()
-
+    """A forward (and, when gradients are on, a backward) of two tokens with a zero loss, for a rank
+    with no micro-batch left."""
+    input_ids = torch.full((1, 2), pad_id, device=device)
+    logp = token_logprobs(model, input_ids, torch.ones_like(input_ids))
+    if torch.is_grad_enabled():
+        (logp.sum() * 0.0).backward()
 
 # -----------------------------------------------------------------------------
 # (4) Token log-probs
 
+LOGPROB_CHUNK_TOKENS = 1024  # positions per chunk: 0.6 GB of fp32 logits at a 152K vocabulary
+# FSDP2 warns that the model returns a view (the embeddings among the hidden states) that an in-place
+# op could detach from its hooks; nothing here changes the outputs in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
-def token_logprobs(model, input_ids, attention_mask):
-    """log p(input_ids[:, t + 1] | input_ids[:, :t + 1]) for every t: (B, T - 1), fp32."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (B, T-1, V)
-    targets = input_ids[:, 1:, None]  # (B, T-1, 1)
-    return torch.log_softmax(logits.float(), -1).gather(-1, targets).squeeze(-1)  # (B, T-1)
 
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
+                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    """log softmax(logits / temperature)[input_ids[:, t + 1]] at every position t: (B, T-1), fp32.
+    The model runs without its head on all but the last position, its final hidden states kept;
+    the head, the temperature and the log-softmax then run over chunks of positions, each
+    recomputed in the backward, so no tensor of T x V ever exists, only chunk x V."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1][:, :-1]                      # (B, T-1, H), after the final norm
+    batch, positions, width = hidden.shape
+    hidden = hidden.reshape(batch * positions, width)          # (N, H)
+    targets = input_ids[:, 1:].reshape(batch * positions)      # (N,)
+    head = model.get_output_embeddings()
+    chunks = []
+    for start in range(0, batch * positions, chunk_tokens):
+        end = start + chunk_tokens
+        chunks.append(checkpoint(_chunk_logprobs, hidden[start:end], targets[start:end], head.weight, head.bias,
+                                 temperature, use_reentrant=False))
+    return torch.cat(chunks).view(batch, positions)            # (B, T-1)
+
+
+def _chunk_logprobs(hidden, targets, weight, bias, temperature):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature  # (n, V)
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)    # (n,)
 
 # -----------------------------------------------------------------------------
-# (5) HF export
+# (5) Weights out
+
+
+def full_weights(model, dtype):
+    """(HF name, full tensor in `dtype`) one parameter at a time, for the engine: each is gathered
+    from its FSDP2 shards and converted only when asked for, and nothing here keeps it after."""
+    for name, tensor in model.state_dict().items():
+        gathered = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield name, gathered.to(dtype)
+        del gathered  # (before the next one is gathered)
+
 
 
 def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32) -> None:
@@ -125,19 +205,44 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32) -> N
         config.dtype = dtype                  # weights; vLLM's dtype="auto" must read the saved one
         config.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
-    dist.barrier()
-
+    dist.barrier(group=cpu_group())
 
 # -----------------------------------------------------------------------------
-# (6) The problem reader
+# (6) Files
+
+
+def check_shared_dir(path: str) -> None:
+    """Fail at start-up, on every rank, unless all ranks see `path` as one folder: rank 0 writes a
+    file there, the others look for it. (Checkpoints are written by every rank into one folder and
+    renamed by rank 0; across nodes that needs a shared filesystem.)"""
+    token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0, group=cpu_group())
+    probe = os.path.join(path, f".shared-{token[0]}")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("every rank must see this file\n")
+    dist.barrier(group=cpu_group())
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.path.exists(probe), group=cpu_group())
+    dist.barrier(group=cpu_group())
+    if dist.get_rank() == 0:
+        os.remove(probe)
+    if not all(seen):
+        blind = [rank for rank, ok in enumerate(seen) if not ok]
+        raise SystemExit(f"ranks {blind} do not see {path} as rank 0 does: it is not on a filesystem shared by "
+                         f"the nodes\n---> HINT: pass --out-dir a folder on a shared filesystem (NFS, Lustre, "
+                         f"...) mounted at the same path on every node")
+
+
 
 
 def read_problems(path: str) -> list[dict]:
     """{"question": str, "answer": ...} per line (other fields kept, the answer made a string)."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file\n---> HINT: `python data/prepare_rl.py` writes data/rl.jsonl, "
-                                f"`python data/prepare_eval.py` the benchmarks, `python data/prepare_toy.py` "
-                                f"the toy world")
+        raise FileNotFoundError(f"{path}: no such file\n---> HINT: `python data/prepare_rl.py` writes "
+                                f"data/rl.jsonl, `python data/prepare_eval.py` the benchmarks, "
+                                f"`python data/prepare_toy.py` the toy world")
     problems = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, 1):

@@ -31,7 +31,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from rollout import IM_END, RolloutConfig, make_engine, render_tool_call, start_trajectories  # noqa: E402
+from engine import make_engine  # noqa: E402
+from rollout import IM_END, RolloutConfig, render_tool_call, start_trajectories  # noqa: E402
 from sandbox import Sandbox  # noqa: E402
 from scheduler import rollout_lockstep, rollout_scheduled  # noqa: E402
 from vllm import SamplingParams  # noqa: E402

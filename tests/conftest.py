@@ -75,7 +75,7 @@ def sandbox():
 @pytest.fixture(scope="session")
 def toy_engine(toy_sft_model):
     """One vLLM engine on the SFT'd toy model for the whole session (an engine costs ~1 minute)."""
-    from rollout import make_engine
+    from engine import make_engine
     llm = make_engine(str(toy_sft_model), max_model_len=1024, seed=0, kv_cache_tokens=KV_CACHE_TOKENS)
     yield llm
     del llm

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from eval import benchmark_row, format_table, main, pass_at_k, select_unsolved, table_ks
+from eval import benchmark_path, benchmark_row, format_table, main, pass_at_k, select_unsolved, short_names, table_ks
 
 
 def pass_at_k_by_enumeration(n, c, k):
@@ -69,11 +69,22 @@ def test_table_row_numbers_follow_from_the_samples():
     assert "pass@4" in format_table([row]).splitlines()[0]
 
 
+def test_benchmarks_are_named_files_or_paths_and_a_missing_one_says_what_to_do(tmp_path):
+    (tmp_path / "aime24.jsonl").write_text('{"question": "q", "answer": "1"}\n')
+    assert benchmark_path("aime24", str(tmp_path)) == str(tmp_path / "aime24.jsonl")
+    assert benchmark_path(str(tmp_path / "aime24.jsonl"), "elsewhere") == str(tmp_path / "aime24.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"hmmt25\.jsonl(.|\n)*HINT: `python data/prepare_eval.py"):
+        benchmark_path("hmmt25", str(tmp_path))
+    assert short_names(["data/eval/aime24.jsonl", "x/b.jsonl"]) == ["aime24", "b"]
+    assert short_names(["x/a.jsonl", "y/a.jsonl"]) == ["x/a.jsonl", "y/a.jsonl"], "colliding names keep their paths"
+
+
 @pytest.mark.slow
 def test_toy_evaluation_table_matches_its_samples_and_files_are_written(toy_engine, toy_sft_model, toy_world, tmp_path, capsys):
     lines = (toy_world / "test.jsonl").read_text().splitlines()[:16]
     (tmp_path / "a.jsonl").write_text("\n".join(lines[:10]) + "\n")
-    (tmp_path / "b.jsonl").write_text("\n".join(lines[10:]) + "\n")
+    too_long = json.dumps({"question": "What is " + "1" * 5000 + " + 1?", "answer": "2"})  # 5000+ tokens
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[10:] + [too_long]) + "\n")
     out = tmp_path / "results"
     rows, samples = main(["--model", str(toy_sft_model), "--benchmarks", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
                           "--n", "4", "--max-response", "512", "--max-turns", "10", "--out-dir", str(out)], llm=toy_engine)
@@ -81,6 +92,7 @@ def test_toy_evaluation_table_matches_its_samples_and_files_are_written(toy_engi
     with capsys.disabled():
         print("\n" + format_table(rows))
     assert format_table(rows) in printed and "tool-use rate" in printed, "the table must be printed"
+    assert "b: dropped 1 problems with a prompt over 4096 tokens" in printed, "overlong prompts are dropped, counted"
     assert [r["problems"] for r in rows] == [10, 6] and len(samples) == 64
     assert all(s["finish_reason"] and s["text"] and s["question"] for s in samples)
     for r, first in zip(rows, (0, 10)):

@@ -192,30 +192,50 @@ def test_trainer_logprobs_match_sampler_logprobs(lockstep_batch, toy_sft_model):
     assert worst < 1e-4, f"HF and vLLM disagree on sampled tokens by {worst:.2e}"
 
 
-def hf_logprobs(model, traj):
+def hf_logprobs(model, traj, temperature=1.0):
     import torch
     ids = torch.tensor([traj.prompt_ids + traj.response_ids])
     with torch.no_grad():
-        logits = model(ids).logits[0, :-1].float()
+        logits = model(ids).logits[0, :-1].float() / temperature
     lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
     return lp[len(traj.prompt_ids) - 1:]                       # one per response token
 
 
-def max_diff_hf_vs_sampler(model, trajs):
+def max_diff_hf_vs_sampler(model, trajs, temperature=1.0):
     import torch
     worst = 0.0
     for t in trajs:
         mask = torch.tensor(t.loss_mask, dtype=torch.bool)
-        diff = (hf_logprobs(model, t) - torch.tensor(t.logprobs))[mask].abs()
+        diff = (hf_logprobs(model, t, temperature) - torch.tensor(t.logprobs))[mask].abs()
         worst = max(worst, diff.max().item() if mask.any() else 0.0)
     return worst
+
+
+@pytest.mark.slow
+def test_at_temperature_0_7_sampler_and_trainer_score_the_distribution_that_drew_the_tokens(
+        toy_engine, toy_sft_model, sandbox, problems):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from scheduler import rollout_lockstep
+    from training import token_logprobs
+    trajs, _ = rollout_lockstep(toy_engine.llm_engine, toy_engine.get_tokenizer(), sandbox, problems[:8], 2,
+                                RolloutConfig(max_response=256, temperature=0.7, seed=5))
+    model = AutoModelForCausalLM.from_pretrained(toy_sft_model, dtype=torch.float32)
+    worst = max_diff_hf_vs_sampler(model, trajs, temperature=0.7)
+    assert worst < 1e-4, f"the sampler's log-probs are not log_softmax(logits / 0.7): off by {worst:.2e}"
+    assert max_diff_hf_vs_sampler(model, trajs, temperature=1.0) > 1e-2, "the check must tell the temperatures apart"
+    t = trajs[0]
+    ids = torch.tensor([t.prompt_ids + t.response_ids])
+    with torch.no_grad():
+        trainer = token_logprobs(model, ids, torch.ones_like(ids), temperature=0.7)[0, len(t.prompt_ids) - 1:]
+    assert torch.allclose(trainer, hf_logprobs(model, t, 0.7), atol=1e-5), "the trainer must divide by 0.7 too"
 
 
 @pytest.mark.slow
 def test_weight_sync_reaches_the_engine_prefix_cache_included(toy_engine, toy_sft_model, sandbox, problems):
     import torch
     from transformers import AutoModelForCausalLM
-    from rollout import sync_weights
+    from engine import sync_weights
     from scheduler import rollout_lockstep
     tok, cfg = toy_engine.get_tokenizer(), RolloutConfig(max_response=48, max_turns=1, seed=3)
     engine = toy_engine.llm_engine
@@ -289,12 +309,12 @@ def test_the_engine_starts_on_a_small_numa_node_with_the_kv_cache_it_was_asked_f
     from vllm.utils.cpu_resource_utils import MemoryNodeInfo
     import vllm.v1.worker.cpu_worker as cpu_worker
     from conftest import KV_CACHE_TOKENS
-    from rollout import CPU_BLOCK, kv_capacity_tokens, make_engine
-    assert kv_capacity_tokens(toy_engine) == KV_CACHE_TOKENS, "the shared engine must hold what it was asked for"
+    from engine import CPU_BLOCK, kv_capacity_tokens, make_engine
+    assert kv_capacity_tokens(toy_engine.llm_engine) == KV_CACHE_TOKENS, "the shared engine must hold what it was asked for"
     node = MemoryNodeInfo(total_memory=int(11.21 * 2**30), available_memory=int(1.16 * 2**30))
     monkeypatch.setattr(cpu_worker, "get_memory_node_info", lambda *_: node)
     small = make_engine(str(toy_sft_model), max_model_len=512, kv_cache_tokens=10 * CPU_BLOCK + 1)
-    assert kv_capacity_tokens(small) == 11 * CPU_BLOCK, "asked tokens round up to whole blocks, no more"
+    assert kv_capacity_tokens(small.llm_engine) == 11 * CPU_BLOCK, "asked tokens round up to whole blocks, no more"
     del small  # (not shut down: that would tear down the process group the shared engine lives in)
     with pytest.raises(RuntimeError, match="HINT: a KV cache of 400000 tokens .* ask for fewer"):
         make_engine(str(toy_sft_model), max_model_len=512, kv_cache_tokens=400_000)  # 1.5 GiB > 1.16 GiB free

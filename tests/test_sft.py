@@ -86,11 +86,11 @@ def test_masked_positions_get_no_gradient(world):
     input_ids, loss_mask = rendered(world, 1)
     captured = []
 
-    def keep_logits(module, inputs, logits):
-        logits.retain_grad()
-        captured.append(logits)
+    def keep_hidden(module, inputs, hidden):  # the final norm's output at t feeds only the prediction at t
+        hidden.retain_grad()
+        captured.append(hidden)
 
-    hook = model.get_output_embeddings().register_forward_hook(keep_logits)
+    hook = model.get_decoder().norm.register_forward_hook(keep_hidden)
     try:
         sft.assistant_nll_sum(model, [(input_ids[0].tolist(), loss_mask[0].tolist())], pad_id, "cpu").backward()
     finally:

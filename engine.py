@@ -1,0 +1,98 @@
+"""The vLLM engine: made for the hardware, its weights synced from the trainer, asleep while it trains.
+
+Every vLLM-specific detail the project relies on lives here, one named function each, written
+against vllm 0.32 (what each does and why is in its docstring):
+1. make_engine: bf16 with sleep mode on GPUs; fp32, eager, a KV cache sized in tokens on CPUs.
+2. sync_weights: the trainer's weights loaded in place (`reload_weights`), the prefix cache reset.
+3. sleep / wake_for_rollout: the engine's GPU memory given to training and taken back.
+4. kv_capacity_tokens: how many tokens the engine's KV cache holds.
+On a GPU a step cycles: rollout (awake) -> sleep (weights to host memory, KV cache freed) ->
+training -> sync_weights (the weights woken, nothing else) -> wake_for_rollout (the KV cache).
+"""
+import os
+
+
+def kv_bytes_per_token(model: str, dtype_bytes: int) -> int:
+    """KV-cache bytes one token takes in every layer: keys and values, each KV heads x head size."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+CPU_KV_CACHE_TOKENS = 65536  # the CPU default: 256 MB for the toy model, 3 GB for a 135M Llama
+CPU_BLOCK = 128              # tokens per KV-cache block (vLLM 0.32's CPU default)
+
+
+def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: float = 0.5,
+                kv_cache_tokens: int | None = None, external_launcher: bool = False):
+    """The vLLM engine for this hardware. GPUs: bf16, sleep mode, `memory_fraction` of the GPU for
+    weights and KV cache. CPUs: fp32, eager mode, a KV cache of `kv_cache_tokens` tokens. (vLLM 0.32
+    on CPU turns a fraction into fraction x the NUMA node's memory minus this process's RSS, which is
+    negative on a machine with an 11 GB node: the cache is sized in bytes, the same on every machine.)"""
+    # In-process engine core: weights can then be handed over as tensors (see sync_weights).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from vllm import LLM
+    # The sampler reports log-probs of the distribution it drew from (after temperature), the
+    # distribution the trainer scores (training.token_logprobs divides by the same temperature).
+    kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
+                  logprobs_mode="processed_logprobs")
+    if torch.cuda.is_available():
+        kwargs.update(dtype="bfloat16", enable_sleep_mode=True, gpu_memory_utilization=memory_fraction)
+    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt split by
+        # chunked prefill makes vllm 0.32 rewind the request's seeded generator, which CPU generators
+        # cannot do ("CPU Generator does not use offset"): prefill prompts whole.
+        kv_cache_tokens = kv_cache_tokens or CPU_KV_CACHE_TOKENS
+        blocks = -(-kv_cache_tokens // CPU_BLOCK) + 1  # whole blocks, and the null block vLLM sets aside
+        kwargs.update(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(max_model_len, 8192), block_size=CPU_BLOCK,
+                      kv_cache_memory_bytes=blocks * CPU_BLOCK * kv_bytes_per_token(model, dtype_bytes=4))
+    if external_launcher:  # under torchrun: one engine per rank, inside the ranks' process group
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    try:
+        return LLM(**kwargs)
+    except ValueError as e:
+        if "kv_cache_memory_bytes" not in kwargs or "memory" not in str(e):
+            raise
+        gib = kwargs["kv_cache_memory_bytes"] / 2**30
+        raise RuntimeError(f"{e}\n---> HINT: a KV cache of {kv_cache_tokens} tokens ({gib:.2f} GiB) does not "
+                           f"fit in this machine's free memory: ask for fewer (--kv-cache-tokens) or free "
+                           f"some memory") from None
+
+
+def _sleeping(llm) -> set[str]:
+    """The engine's allocations that sleep: "weights", "kv_cache" (vllm 0.32 keeps the set in the
+    executor of the in-process engine core; empty on CPUs, which have no sleep mode)."""
+    return set(llm.llm_engine.engine_core.engine_core.model_executor.sleeping_tags)
+
+
+def sync_weights(llm, named_tensors) -> None:
+    """Load the trainer's weights in place from an iterator of (HF name, tensor) (`reload_weights`).
+    A sleeping engine wakes its weights only: the KV cache stays freed until wake_for_rollout."""
+    if "weights" in _sleeping(llm):
+        llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+    llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
+
+
+def sleep(llm) -> None:
+    """Free GPU memory for training: weights to host memory, KV cache dropped (level 1). A no-op
+    on CPUs (no sleep mode there)."""
+    if llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
+        llm.sleep(level=1)
+
+
+def wake_for_rollout(llm) -> None:
+    """Wake what still sleeps (after a sync, only the KV cache); the scheduler resumes once all is."""
+    asleep = _sleeping(llm)
+    if asleep:
+        llm.wake_up(tags=sorted(asleep))
+
+
+def kv_capacity_tokens(engine) -> int:
+    """How many tokens an LLMEngine's KV cache holds: vllm 0.32 keeps the block count in the cache
+    config, one of which (the null block) never holds a token."""
+    cache = engine.vllm_config.cache_config
+    return (cache.num_gpu_blocks - 1) * cache.block_size

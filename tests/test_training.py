@@ -1,0 +1,212 @@
+"""training.py: chunked log-probs (values, gradients, memory), the problem reader, and loading a
+model on rank 0 only under torchrun (slow)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from training import read_problems, token_logprobs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def random_model(vocab=8192, hidden=32, layers=1, tie=False, seed=0):
+    """A small random Qwen3 whose vocabulary dwarfs everything else, so the logits are the largest tensor."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=tie,
+                         max_position_embeddings=4096)
+    return Qwen3ForCausalLM(config)
+
+
+def reference_logprobs(model, input_ids, temperature):
+    """The unchunked computation: the whole (B, T, V) logits, then log-softmax."""
+    logits = model(input_ids=input_ids).logits[:, :-1].float() / temperature      # (B, T-1, V)
+    return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def test_chunked_logprobs_and_their_gradients_equal_the_whole_vocabulary_computation():
+    model = random_model()
+    input_ids = torch.randint(0, 8192, (2, 37))
+    attention_mask = torch.ones_like(input_ids)
+    weights = torch.rand(2, 36)  # a loss that weighs positions differently, so gradients differ by position
+
+    def values_and_grads(compute):
+        model.zero_grad()
+        logp = compute()
+        (logp * weights).sum().backward()
+        return logp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want, want_grads = values_and_grads(lambda: reference_logprobs(model, input_ids, 0.7))
+    for chunk in (5, 36, 1000):  # chunks that do not divide the positions, one chunk, more than all
+        got, got_grads = values_and_grads(lambda: token_logprobs(model, input_ids, attention_mask, 0.7, chunk))
+        assert torch.allclose(got, want, atol=1e-5), f"chunk {chunk}: log-probs differ by {(got - want).abs().max()}"
+        for a, b in zip(got_grads, want_grads):  # fp32 sums in another order: ~1e-6 of the largest entry
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-7, f"chunk {chunk}: gradients differ"
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any operation produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_the_largest_tensor_grows_with_the_chunk_not_with_tokens_times_vocabulary():
+    model, vocab, tokens, chunk = random_model(), 8192, 512, 64
+    input_ids = torch.randint(0, vocab, (1, tokens))
+
+    def largest(chunk_tokens):
+        with LargestTensor() as mode:
+            token_logprobs(model, input_ids, torch.ones_like(input_ids), 1.0, chunk_tokens).sum().backward()
+        model.zero_grad()
+        return mode.largest
+
+    whole = largest(tokens)
+    assert whole >= (tokens - 1) * vocab, "the measurement must see the (T, V) logits when there is one chunk"
+    chunked = largest(chunk)
+    assert chunked <= 2 * chunk * vocab, f"largest tensor {chunked:,} elements with {chunk}-token chunks"
+    assert chunked < whole / 4
+
+
+def test_problem_reader_checks_every_line_and_says_what_to_do(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"question": "What is 1 + 1?", "answer": 2, "id": "a"}\n\n{"question": "x", "answer": "3"}\n')
+    assert read_problems(str(path)) == [{"question": "What is 1 + 1?", "answer": "2", "id": "a"},
+                                        {"question": "x", "answer": "3"}]
+    for bad in ['{"question": "x"}', '{"answer": "1"}', "{not json", '["x", "1"]', '{"question": " ", "answer": "1"}']:
+        path.write_text('{"question": "ok", "answer": "1"}\n' + bad + "\n")
+        with pytest.raises(ValueError, match=r"p\.jsonl:2: a problem needs a question and an answer(.|\n)*HINT"):
+            read_problems(str(path))
+    with pytest.raises(FileNotFoundError, match="HINT: `python data/prepare_rl.py`"):
+        read_problems(str(tmp_path / "missing.jsonl"))
+
+
+# -- loading under torchrun ----------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied-embeddings"])
+def test_only_rank_0_holds_the_full_model_and_both_ranks_end_with_its_weights(tmp_path, tie):
+    """Two ranks on the CPU: rank 1 builds on the meta device and never holds a full copy (its peak
+    RSS grows by its half of the shards and a tensor in flight, where a full copy would add 1.5 models),
+    and the gathered weights equal the checkpoint's."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(1)
+    config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=16,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=tie)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "model")  # ~70M parameters, ~280 MB in fp32
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    model_mb = ranks[0]["model_mb"]
+    assert ranks[0]["grew_mb"] > 0.9 * model_mb, "rank 0 reads the full model: the measurement must show it"
+    assert ranks[1]["grew_mb"] < 0.8 * model_mb, \
+        f"rank 1's peak RSS grew by {ranks[1]['grew_mb']:.0f} MB for a {model_mb:.0f} MB model: a full copy"
+    assert all(r["max_diff"] == 0.0 for r in ranks), "the sharded weights must equal the checkpoint's exactly"
+    assert all(r["timeouts_minutes"] == [240.0, 240.0] for r in ranks), \
+        "the default group and the group for objects must both wait as long as RL needs"
+
+
+def _rank_main(folder: str):
+    """One rank of the test above (run by torchrun)."""
+    import resource
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM  # noqa: F401  (imported before measuring: ~100 MB)
+    from training import cpu_group, init_distributed, load_sharded_model
+    rank, _, _, device = init_distributed()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    model = load_sharded_model(f"{folder}/model", device)
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    saved = load_file(f"{folder}/model/model.safetensors")
+    max_diff = max((full[k] - saved[k]).abs().max().item() for k in saved)
+    model_mb = sum(t.numel() * 4 for t in saved.values()) / 2**20
+    backend = torch.device("cpu")
+    timeouts = [g._get_backend(backend).options._timeout.total_seconds() / 60
+                for g in (torch.distributed.distributed_c10d._get_default_group(), cpu_group())]
+    with open(f"{folder}/rank{rank}.json", "w") as f:
+        json.dump({"grew_mb": grew, "model_mb": model_mb, "max_diff": max_diff, "timeouts_minutes": timeouts}, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])
+
+
+# -- what the step leaves behind -----------------------------------------------------------------
+
+class TensorsMade(TorchDispatchMode):
+    """Weak references to every tensor an operation produces with at least `numel` elements."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.refs = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                self.refs.append(weakref.ref(t))
+        return out
+
+
+@pytest.fixture
+def sharded_model():
+    """A model sharded by FSDP2 in a process group of one, as train.py runs it on one rank."""
+    from training import init_distributed, shard_model
+    init_distributed()
+    return shard_model(random_model(layers=2), torch.device("cpu"))
+
+
+def test_no_tensor_of_a_training_step_outlives_it(sharded_model):
+    """Logits, log-probs and their gradients must be gone before the weight sync and the next rollout."""
+    import gc
+    from grpo_roc import policy_loss
+    vocab, tokens, chunk = 8192, 256, 32
+
+    def step(model, input_ids):  # what train.py's optimizer_step does with one micro-batch
+        logp = token_logprobs(model, input_ids, torch.ones_like(input_ids), 0.7, chunk)  # (1, T-1)
+        mask = torch.ones_like(logp)
+        loss, _ = policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, mask.sum())
+        loss.backward()
+        model.zero_grad(set_to_none=True)  # (after the optimizer's step)
+        return loss.item()
+
+    with TensorsMade(numel=chunk * vocab) as made:
+        step(sharded_model, torch.randint(0, vocab, (1, tokens)))
+    gc.collect()
+    assert made.refs, "the step must have made chunk x vocabulary tensors for this check to mean anything"
+    # (FSDP2 keeps its gather buffers as tensor objects whose storage it frees: they hold no memory)
+    alive = [r() for r in made.refs if r() is not None and r().untyped_storage().size() > 0]
+    assert not alive, f"{len(alive)} tensors of the step still hold memory, e.g. {tuple(alive[0].shape)}"
+
+
+def test_the_engine_gets_the_weights_one_parameter_at_a_time(sharded_model):
+    import gc
+    from training import full_weights
+    names = list(sharded_model.state_dict())
+    previous = None
+    for count, (name, tensor) in enumerate(full_weights(sharded_model, torch.bfloat16), 1):
+        gc.collect()
+        assert previous is None or previous() is None, "the last parameter handed over is still held"
+        assert tensor.dtype == torch.bfloat16 and not hasattr(tensor, "full_tensor"), "a full bf16 tensor"
+        previous = __import__("weakref").ref(tensor)
+        del tensor
+    assert count == len(names)
