@@ -1,7 +1,7 @@
 """The toy world end to end on a CPU, the way the paper runs the recipe at scale.
 
     .venv/bin/python demo.py            # prepare -> SFT -> eval -> GRPO-RoC -> eval, then a table and a plot
-    .venv/bin/python demo.py --no-roc   # the ablation: the same RL with uniform down-sampling, as one more column
+    .venv/bin/python demo.py --no-roc   # the ablation: RL with uniform down-sampling, one more column
 
 Every stage is one of the project's own scripts, run as a subprocess with its command printed,
 so the demo is also the recipe: copy a printed line to rerun a stage. A stage whose output is
@@ -23,8 +23,10 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
 parser = argparse.ArgumentParser(description="The toy world end to end: data, SFT, eval, GRPO-RoC, eval.")
-parser.add_argument("--no-roc", action="store_true", help="ablation: RL with uniform down-sampling instead of Resample-on-Correct")
-parser.add_argument("--steps", type=int, default=60, help="RL steps (about 2-3 s each on a quiet 2-core machine)")
+parser.add_argument("--no-roc", action="store_true",
+                    help="ablation: RL with uniform down-sampling instead of Resample-on-Correct")
+parser.add_argument("--steps", type=int, default=60,
+                    help="RL steps (about 2-3 s each on a quiet 2-core machine)")
 parser.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
 parser.add_argument("--fresh", action="store_true", help="delete earlier outputs and run every stage again")
 parser.add_argument("--plot", default="runs/demo/rl_curves.png", help="where the PNG of the RL curves goes")
@@ -37,7 +39,7 @@ eval_dir = lambda name: "runs/demo/eval_" + {"SFT": "sft", "RL (RoC)": "rl", "RL
 if args.fresh:
     for path in ["data/toy", "runs/toy_sft", *filter(None, RUNS.values()), "runs/demo"]:
         shutil.rmtree(path, ignore_errors=True)
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's start-up chatter; the stages print their own progress
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's chatter; the stages print their own progress
 t_start = time.time()
 
 
@@ -58,13 +60,16 @@ def stage(title: str, done_file: str, *cmd: str) -> None:
 # -----------------------------------------------------------------------------
 # The recipe: data -> non-reasoning SFT -> eval -> GRPO-RoC -> eval.
 
-EVAL = ["--benchmarks", "data/toy/test.jsonl", "--n", str(args.samples), "--max-response", "512", "--max-turns", "10"]
-stage("1/5 toy world: problems, SFT conversations, tokenizer, untrained model", "data/toy/init_model/tokenizer.json",
-      "data/prepare_toy.py")
-stage("2/5 non-reasoning SFT: the tool-call format", "runs/toy_sft/model.safetensors", "sft.py", "--preset", "toy")
+EVAL = ["--benchmarks", "data/toy/test.jsonl", "--n", str(args.samples), "--max-response", "512",
+        "--max-turns", "10"]
+stage("1/5 toy world: problems, SFT conversations, tokenizer, untrained model",
+      "data/toy/init_model/tokenizer.json", "data/prepare_toy.py")
+stage("2/5 non-reasoning SFT: the tool-call format", "runs/toy_sft/model.safetensors",
+      "sft.py", "--preset", "toy")
 stage("3/5 evaluate the SFT model on the held-out problems", eval_dir("SFT") + "/table.json",
       "eval.py", "--model", "runs/toy_sft", *EVAL, "--out-dir", eval_dir("SFT"))
-stage(f"4/5 GRPO-RoC, {args.steps} steps" + (" with --no-roc" if args.no_roc else ""), rl_dir + "/final/model.safetensors",
+stage(f"4/5 GRPO-RoC, {args.steps} steps" + (" with --no-roc" if args.no_roc else ""),
+      rl_dir + "/final/model.safetensors",
       "train.py", "--preset", "toy", "--steps", str(args.steps), "--out-dir", rl_dir, "--resume", "1",
       *(["--no-roc"] if args.no_roc else []))
 stage("5/5 evaluate the RL model on the held-out problems", eval_dir(rl_name) + "/table.json",
@@ -78,7 +83,8 @@ for name in RUNS:
     if os.path.exists(eval_dir(name) + "/table.json"):
         with open(eval_dir(name) + "/table.json") as f:
             tables[name] = json.load(f)["table"][0]
-ROWS = [("accuracy (avg pass@1, %)", "avg_pass@1", 100), (f"pass@{args.samples} (%)", f"pass@{args.samples}", 100),
+ROWS = [("accuracy (avg pass@1, %)", "avg_pass@1", 100),
+        (f"pass@{args.samples} (%)", f"pass@{args.samples}", 100),
         ("tool-use rate (%)", "tool_use_rate", 100), ("tool-error ratio (%)", "tool_error_ratio", 100),
         ("mean response length (tokens)", "response_tokens", 1)]
 print(f"\nheld-out toy problems: {tables['SFT']['problems']} x {args.samples} samples, temperature 0.6\n")
@@ -95,7 +101,7 @@ for name in tables:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """metrics.jsonl rows, the last one of each step (a resumed run rewrites the steps after its checkpoint)."""
+    """metrics.jsonl rows, the last one of each step (a resumed run rewrites those after its checkpoint)."""
     rows = {}
     with open(path) as f:
         for line in f:
@@ -105,7 +111,8 @@ def read_metrics(path: str) -> list[dict]:
 
 
 PANELS = [("reward", "reward of the kept rollouts"), ("accuracy", "accuracy of all rollouts"),
-          ("tool_error_ratio_pos", "tool-error ratio, correct rollouts"), ("response_length", "response length (tokens)")]
+          ("tool_error_ratio_pos", "tool-error ratio, correct rollouts"),
+          ("response_length", "response length (tokens)")]
 fig, axes = plt.subplots(2, 2, figsize=(9, 6.5))
 axes = axes.flatten()
 for name, out_dir in RUNS.items():
@@ -117,8 +124,9 @@ for name, out_dir in RUNS.items():
             ax.set_xlabel("RL step")
         first, last = rows[:5], rows[-5:]
         mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)
-        print(f"{name} during RL (mean of the first 5 steps -> the last 5): accuracy {mean(first, 'accuracy'):.2f} -> "
-              f"{mean(last, 'accuracy'):.2f}, tool use {mean(first, 'tool_use'):.2f} -> {mean(last, 'tool_use'):.2f}, "
+        print(f"{name} during RL (mean of the first 5 steps -> the last 5): "
+              f"accuracy {mean(first, 'accuracy'):.2f} -> {mean(last, 'accuracy'):.2f}, "
+              f"tool use {mean(first, 'tool_use'):.2f} -> {mean(last, 'tool_use'):.2f}, "
               f"tool-error ratio of correct rollouts {mean(first, 'tool_error_ratio_pos'):.3f} -> "
               f"{mean(last, 'tool_error_ratio_pos'):.3f}")
 axes[0].legend()

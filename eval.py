@@ -36,27 +36,44 @@ FILTER_DEFAULTS = dict(temperature=1.0, max_response=12288, max_turns=10)
 
 
 def get_args(argv=None):
-    parser = argparse.ArgumentParser(description="Evaluate a checkpoint with tool use: avg pass@1, pass@k, lengths, tool statistics.")
+    parser = argparse.ArgumentParser(
+        description="Evaluate a checkpoint with tool use: avg pass@1, pass@k, lengths, tool statistics.")
     parser.add_argument("--model", required=True, help="HF checkpoint to evaluate (local path or hub id)")
-    parser.add_argument("--benchmarks", nargs="+", default=["aime24", "aime25"], help="names (aime24 aime25 hmmt25 math500) or local JSONL paths")
-    parser.add_argument("--eval-dir", default="data/eval", help="where named benchmarks are cached (data/prepare_eval.py)")
-    parser.add_argument("--n", "--samples", type=int, default=16, dest="n", help="samples per problem (under torchrun spell it --samples: torchrun reads --n as its own)")
+    parser.add_argument("--benchmarks", nargs="+", default=["aime24", "aime25"],
+                        help="names (aime24 aime25 hmmt25 math500) or local JSONL paths")
+    parser.add_argument("--eval-dir", default="data/eval",
+                        help="where named benchmarks are cached (data/prepare_eval.py)")
+    parser.add_argument("--n", "--samples", type=int, default=16, dest="n",
+                        help="samples per problem (under torchrun spell it --samples: torchrun reads --n as "
+                             "its own)")
     parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    parser.add_argument("--max-response", type=int, default=30000, help="token budget per trajectory, sampled and tool tokens together")
+    parser.add_argument("--max-response", type=int, default=30000,
+                        help="token budget per trajectory, sampled and tool tokens together")
     parser.add_argument("--max-turns", type=int, default=30, help="assistant turns per trajectory (T)")
     parser.add_argument("--max-prompt", type=int, default=4096,
                         help="problems whose prompt has more tokens are dropped (and counted)")
     parser.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,
                         help="under torchrun: how long a rank may wait for the others' rollouts")
-    parser.add_argument("--max-model-len", type=int, default=None, help="engine context; default: longest prompt + --max-response, capped at the model's context")
-    parser.add_argument("--memory-fraction", type=float, default=0.85, help="GPUs: share of GPU memory for vLLM (weights + KV cache)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None, help="CPUs: the engine's KV cache in tokens (default: engine.CPU_KV_CACHE_TOKENS)")
-    parser.add_argument("--tool-workers", type=int, default=None, help="sandbox workers per rank (default: the CPU cores shared among the node's ranks)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="engine context; default: longest prompt + --max-response, capped at the "
+                             "model's context")
+    parser.add_argument("--memory-fraction", type=float, default=0.85,
+                        help="GPUs: share of GPU memory for vLLM (weights + KV cache)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help="CPUs: the engine's KV cache in tokens (default: engine.CPU_KV_CACHE_TOKENS)")
+    parser.add_argument("--tool-workers", type=int, default=None,
+                        help="sandbox workers per rank (default: the CPU cores shared among the node's "
+                             "ranks)")
     parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds a tool call may run")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (every turn of every sample derives its own)")
-    parser.add_argument("--out-dir", default=None, help="where table.json, samples.jsonl and eval_config.json go (default results/<model name>; not with --filter-solved)")
-    parser.add_argument("--filter-solved", type=int, default=0, metavar="K", help="stage-3 filter: sample K per problem of --data, write those not solved K/K to --out")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed (every turn of every sample derives its own)")
+    parser.add_argument("--out-dir", default=None,
+                        help="where table.json, samples.jsonl and eval_config.json go (default "
+                             "results/<model name>; not with --filter-solved)")
+    parser.add_argument("--filter-solved", type=int, default=0, metavar="K",
+                        help="stage-3 filter: sample K per problem of --data, write those not solved K/K to "
+                             "--out")
     parser.add_argument("--data", default=None, help="with --filter-solved: the training JSONL to filter")
     parser.add_argument("--out", default=None, help="with --filter-solved: where the unsolved problems go")
     if parser.parse_known_args(argv)[0].filter_solved:  # (4) training's sampling; explicit flags win
@@ -64,7 +81,8 @@ def get_args(argv=None):
     args = parser.parse_args(argv)
     if args.filter_solved and not (args.data and args.out):
         parser.error("--filter-solved needs --data and --out\n"
-                     "---> HINT: python eval.py --model runs/stage2 --filter-solved 8 --data data/rl.jsonl --out data/rl_hard.jsonl")
+                     "---> HINT: python eval.py --model runs/stage2 --filter-solved 8 --data data/rl.jsonl "
+                     "--out data/rl_hard.jsonl")
     if args.out_dir is None:
         args.out_dir = os.path.join("results", os.path.basename(os.path.normpath(args.model)))
     return args
@@ -109,13 +127,16 @@ def benchmark_row(name: str, samples: list[dict], n: int) -> dict:
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table; rates in percent."""
     ks = [key for key in rows[0] if key.startswith("pass@")]
-    head = ["benchmark", "problems", "samples", "avg@1"] + ks + ["resp tok", "tool calls", "tool err", "trunc", "tool use"]
+    head = ["benchmark", "problems", "samples", "avg@1", *ks, "resp tok", "tool calls", "tool err", "trunc",
+            "tool use"]
     lines = [[r["benchmark"], str(r["problems"]), str(r["samples"]), f"{100 * r['avg_pass@1']:.1f}"]
              + [f"{100 * r[k]:.1f}" for k in ks]
              + [f"{r['response_tokens']:.0f}", f"{r['tool_calls']:.2f}", f"{100 * r['tool_error_ratio']:.1f}",
                 f"{100 * r['truncated']:.1f}", f"{100 * r['tool_use_rate']:.1f}"] for r in rows]
     width = [max(len(x[i]) for x in [head] + lines) for i in range(len(head))]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, width)))
+
+    def fmt(cells):  # the first column to the left, numbers to the right
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, width)))
     return "\n".join([fmt(head), "  ".join("-" * w for w in width)] + [fmt(x) for x in lines])
 
 
@@ -210,7 +231,8 @@ def main(argv=None, llm=None):
     if longest + args.max_response > args.max_model_len:
         cut = args.max_model_len - longest
         if cut < 16:
-            raise ValueError(f"the longest prompt has {longest} tokens; --max-model-len {args.max_model_len} leaves no room to answer\n"
+            raise ValueError(f"the longest prompt has {longest} tokens; --max-model-len {args.max_model_len} "
+                             f"leaves no room to answer\n"
                              f"---> HINT: raise --max-model-len (the model's context is {context} tokens)")
         if master:
             print(f"warning: --max-response cut from {args.max_response} to {cut} tokens so that the longest "
@@ -224,10 +246,11 @@ def main(argv=None, llm=None):
     # -- engine + sandbox
     from sandbox import Sandbox
     if llm is None:
-        llm = make_engine(args.model, args.max_model_len, seed=args.seed, memory_fraction=args.memory_fraction,
-                          kv_cache_tokens=args.kv_cache_tokens, external_launcher=distributed)
-    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response, temperature=args.temperature,
-                        top_p=args.top_p, seed=args.seed)
+        llm = make_engine(args.model, args.max_model_len, seed=args.seed,
+                          memory_fraction=args.memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
+                          external_launcher=distributed)
+    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
     # -- rollouts
     t0 = time.perf_counter()
@@ -238,7 +261,8 @@ def main(argv=None, llm=None):
 
     # -- table (2)
     if master:
-        print(f"\n{args.model}: temperature {args.temperature}, {n} samples, up to {args.max_response} tokens, "
+        print(f"\n{args.model}: temperature {args.temperature}, {n} samples, "
+              f"up to {args.max_response} tokens, "
               f"T = {args.max_turns} ({seconds:.0f} s)")
         print(format_table(rows))
         for r in rows:
@@ -261,7 +285,8 @@ def main(argv=None, llm=None):
             json.dump({"config": config, "seconds": seconds, "table": rows}, f, indent=2)
         with open(os.path.join(args.out_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
-        print(f"wrote table.json, samples.jsonl ({len(samples)} samples) and eval_config.json to {args.out_dir}")
+        print(f"wrote table.json, samples.jsonl ({len(samples)} samples) and eval_config.json "
+              f"to {args.out_dir}")
     if distributed:  # vLLM 0.32's engine shutdown destroys the process group: destroying it here breaks that
         dist.barrier(group=cpu_group())
     return rows, samples

@@ -36,6 +36,10 @@ What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
    of the whole step (all micro-batches, all ranks), so any split of the
    batch gives the gradient of one big batch (DAPO). No KL term, no entropy
    bonus, and no dual clip (verl's default c = 3 is not in the paper).
+   With one optimizer step per RL step (train.py's default, as in the paper and the official
+   release) the old policy is the current one: the ratio is exactly 1 and the clip never acts
+   (clip_frac_* = 0, ratio_mean = 1, approx_kl = 0). It acts from the second optimizer step of
+   train.py --mini-batches K > 1, which computes the old log-probs once, before the first.
 8. Loss metrics are normalised by `n_loss_tokens` like the loss itself, so
    they add up over micro-batches and ranks to step-level means.
 

@@ -26,14 +26,18 @@ MARGIN = 3 * GiB         # kept free in every phase: fragmentation, what the est
 
 # The architectures of the README's table (the hub's config.json values), so it needs no download.
 KNOWN = {
-    "Qwen2.5-1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
-                         num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
-                       num_key_value_heads=4, head_dim=128, vocab_size=152064, tie_word_embeddings=False),
-    "Qwen3-14B": dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=17408, num_attention_heads=40,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "Qwen2.5-32B": dict(num_hidden_layers=64, hidden_size=5120, intermediate_size=27648, num_attention_heads=40,
-                        num_key_value_heads=8, head_dim=128, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen2.5-1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960,
+                         num_attention_heads=12, num_key_value_heads=2, head_dim=128, vocab_size=151936,
+                         tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
+                       num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
+                       tie_word_embeddings=False),
+    "Qwen3-14B": dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=17408,
+                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      tie_word_embeddings=False),
+    "Qwen2.5-32B": dict(num_hidden_layers=64, hidden_size=5120, intermediate_size=27648,
+                        num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=152064,
+                        tie_word_embeddings=False),
 }
 
 
@@ -61,8 +65,9 @@ class Shape:
 
     @property
     def layer_params(self) -> int:
-        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
-        return attention + 3 * self.hidden * self.mlp + 2 * self.hidden
+        queries_and_output = 2 * self.hidden * self.heads * self.head_dim
+        keys_and_values = 2 * self.hidden * self.kv_heads * self.head_dim
+        return queries_and_output + keys_and_values + 3 * self.hidden * self.mlp + 2 * self.hidden
 
     @property
     def embedding_params(self) -> int:
@@ -118,10 +123,11 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     training_peak = 16 * p // ranks + root + layers + checkpoints + recompute + logprobs + CONTEXT
     largest = max(s.vocab * s.hidden, s.hidden * s.mlp)
     sync_peak = trainer_resident + engine_weights + 6 * largest + CONTEXT  # one fp32 gather + bf16 copy
+    at_once = kv_cache // (s.kv_bytes_per_token * rollout_tokens)
     return Plan(params=p, trainer_resident=trainer_resident, engine_weights=engine_weights,
-                memory_fraction=max(0.0, engine_share / gpu), kv_cache=kv_cache, rollout_tokens=rollout_tokens,
-                rollouts_at_once=kv_cache // (s.kv_bytes_per_token * rollout_tokens), training_peak=training_peak,
-                sync_peak=sync_peak, host=2 * p * min(ranks, 8) + 4 * p, gpu=gpu)
+                memory_fraction=max(0.0, engine_share / gpu), kv_cache=kv_cache,
+                rollout_tokens=rollout_tokens, rollouts_at_once=at_once,
+                training_peak=training_peak, sync_peak=sync_peak, host=2 * p * min(ranks, 8) + 4 * p, gpu=gpu)
 
 
 def describe(p: Plan, ranks: int) -> str:
@@ -129,8 +135,8 @@ def describe(p: Plan, ranks: int) -> str:
     g = lambda n: f"{n / GiB:6.1f} GiB"  # noqa: E731
     lines = [f"memory plan per GPU ({p.params / 1e9:.1f}B parameters, {ranks} GPUs of {p.gpu / GiB:.0f} GiB; "
              f"computed from the config, not measured)",
-             f"  rollout:  trainer shards + AdamW {g(p.trainer_resident)}, engine weights {g(p.engine_weights)}, "
-             f"KV cache {g(p.kv_cache)}",
+             f"  rollout:  trainer shards + AdamW {g(p.trainer_resident)}, "
+             f"engine weights {g(p.engine_weights)}, KV cache {g(p.kv_cache)}",
              f"            engine share (--memory-fraction) {p.memory_fraction:.2f}; a rollout reserves "
              f"{p.rollout_tokens} tokens: {p.rollouts_at_once} at once",
              f"  training: peak {g(p.training_peak)} (engine asleep)",

@@ -37,12 +37,14 @@ PRESETS = {
 
 
 def get_args(argv=None):
-    parser = argparse.ArgumentParser(description="Supervised fine-tuning on chat JSONL, loss on assistant tokens only.")
+    parser = argparse.ArgumentParser(
+        description="Supervised fine-tuning on chat JSONL, loss on assistant tokens only.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a named set of defaults; explicit flags win")
     parser.add_argument("--model", default="Qwen/Qwen3-14B-Base",
                         help="HF causal LM to start from (path or hub name)")
-    parser.add_argument("--data", default="data/sft.jsonl", help='JSONL, one {"messages": [...]} conversation per line')
+    parser.add_argument("--data", default="data/sft.jsonl",
+                        help='JSONL, one {"messages": [...]} conversation per line')
     parser.add_argument("--out-dir", default="runs/sft",
                         help="where the HF checkpoint, metrics.jsonl and sft_config.json go")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the data")
@@ -65,7 +67,7 @@ def get_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and anything random")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default; a tiny model on a shared CPU wants 1)")
-    if preset := parser.parse_known_args(argv)[0].preset:  # a preset replaces defaults; explicit flags still win
+    if preset := parser.parse_known_args(argv)[0].preset:  # a preset replaces defaults; explicit flags win
         parser.set_defaults(**PRESETS[preset])
     return parser.parse_args(argv)
 
@@ -77,7 +79,8 @@ def load_conversations(path):
     """Read {"messages": [...]} lines. Returns [(line_number, messages)]."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such data file\n"
-                                f"---> HINT: for the toy world run `python data/prepare_toy.py`; otherwise pass --data")
+                                f"---> HINT: for the toy world run `python data/prepare_toy.py`; "
+                                f"otherwise pass --data")
     conversations = []
     with open(path) as f:
         for line_number, line in enumerate(f, 1):
@@ -88,13 +91,15 @@ def load_conversations(path):
                 if not isinstance(messages, list) or not messages:
                     raise TypeError("messages must be a non-empty list")
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f'{path}:{line_number}: not a JSON object {{"messages": [...]}} ({type(e).__name__}: {e})\n'
-                                 f'---> HINT: each line is {{"messages": [{{"role": "system"|"user"|"assistant"|"tool", '
-                                 f'"content": ...}}, ...]}}') from None
+                raise ValueError(f'{path}:{line_number}: not a JSON object {{"messages": [...]}} '
+                                 f'({type(e).__name__}: {e})\n---> HINT: each line is {{"messages": '
+                                 f'[{{"role": "system"|"user"|"assistant"|"tool", "content": ...}}, ...]}}'
+                                 ) from None
             conversations.append((line_number, messages))
     if not conversations:
         raise ValueError(f"{path}: no conversations in the file\n"
-                         f"---> HINT: check that it was written completely (toy world: rerun `python data/prepare_toy.py`)")
+                         f"---> HINT: check that it was written completely "
+                         f"(toy world: rerun `python data/prepare_toy.py`)")
     return conversations
 
 
@@ -115,7 +120,8 @@ def tokenize_conversations(tokenizer, conversations, path, max_len):
         (first, first_len), longest = too_long[0], max(n for _, n in too_long)
         raise ValueError(f"{path}: {len(too_long)} conversations are longer than --max-len {max_len} tokens "
                          f"(first at line {first}: {first_len} tokens; longest: {longest})\n"
-                         f"---> HINT: pass --max-len {longest} if memory allows, or drop or shorten these conversations")
+                         f"---> HINT: pass --max-len {longest} if memory allows, "
+                         f"or drop or shorten these conversations")
     return samples
 
 
@@ -167,12 +173,14 @@ def main(argv=None):
     total_steps = args.epochs * steps_per_epoch if args.max_steps < 0 else args.max_steps
     warmup_steps = round(args.warmup_ratio * total_steps)
     if master:
-        print(f"data: {len(samples)} conversations, {sum(lengths):,} tokens ({sum(n_assistant):,} assistant), "
-              f"longest {max(lengths)}; {steps_per_epoch} steps per epoch, {total_steps} steps, {warmup_steps} warm-up")
+        print(f"data: {len(samples)} conversations, {sum(lengths):,} tokens "
+              f"({sum(n_assistant):,} assistant), longest {max(lengths)}; {steps_per_epoch} steps per epoch, "
+              f"{total_steps} steps, {warmup_steps} warm-up")
 
     # ---- model + FSDP2 ----
-    save_dtype = AutoConfig.from_pretrained(args.model).dtype or torch.float32  # saved in the dtype it came in
-    model = load_sharded_model(args.model, device, activation_checkpointing=bool(args.grad_checkpointing)).train()
+    save_dtype = AutoConfig.from_pretrained(args.model).dtype or torch.float32  # saved as it came in
+    checkpointing = bool(args.grad_checkpointing)
+    model = load_sharded_model(args.model, device, activation_checkpointing=checkpointing).train()
 
     # ---- optimizer ----
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -204,7 +212,8 @@ def main(argv=None):
             # FSDP averages gradients over ranks; times world_size undoes that, so the
             # gradient is exactly that of (sum of assistant-token losses) / n_loss_tokens (5).
             (nll_sum / n_loss_tokens * world_size).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).full_tensor()  # a DTensor
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = grad_norm.full_tensor()  # (a DTensor under FSDP2)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(nll_sum_local)
@@ -216,7 +225,8 @@ def main(argv=None):
                        loss=nll_sum_local.item() / n_loss_tokens, lr=lr, grad_norm=grad_norm.item(),
                        n_loss_tokens=n_loss_tokens, tokens=n_tokens, padding=1 - n_tokens / n_padded,
                        micro_batches=len(plan[0]), tokens_per_s=n_tokens / seconds, seconds=seconds)
-            tqdm.write(f"step {step + 1:5d}/{total_steps} | epoch {row['epoch']:6.3f} | loss {row['loss']:.4f} "
+            tqdm.write(f"step {step + 1:5d}/{total_steps} | epoch {row['epoch']:6.3f} "
+                       f"| loss {row['loss']:.4f} "
                        f"| lr {lr:.2e} | grad norm {row['grad_norm']:7.3f} | tokens {n_tokens:7d} "
                        f"(pad {row['padding']:5.1%}, {len(plan[0])} mb) | {row['tokens_per_s']:7.0f} tok/s "
                        f"| {seconds:6.2f} s")

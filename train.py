@@ -38,13 +38,14 @@ from transformers import AutoConfig, AutoTokenizer
 
 import memory_plan
 from engine import kv_capacity_tokens, make_engine, sleep, sync_weights, wake_for_rollout
-from grpo_roc import downsample_uniform, group_advantages, policy_loss, resample_on_correct, tool_error_penalty
+from grpo_roc import (downsample_uniform, group_advantages, policy_loss, resample_on_correct,
+                      tool_error_penalty)
 from rollout import RolloutConfig, drop_long_prompts
 from sandbox import Sandbox
 from scheduler import ProblemQueue, rollout_lockstep, rollout_scheduled
-from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, empty_pass, full_weights, init_distributed,
-                      load_sharded_model, plan_micro_batches, read_problems, right_pad, save_hf_checkpoint,
-                      token_logprobs)
+from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, empty_pass, full_weights,
+                      init_distributed, load_sharded_model, plan_micro_batches, read_problems, right_pad,
+                      save_hf_checkpoint, token_logprobs)
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's; a stage or preset replaces some; explicit flags win.
@@ -67,7 +68,7 @@ parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="a named set of defaults (toy: the toy world on a CPU)")
 parser.add_argument("--model", default="runs/sft", help="HF checkpoint to start from (the SFT model)")
 parser.add_argument("--init-from", default=None,
-                    help="an earlier stage's checkpoints folder: its latest model, optimizer and data position")
+                    help="an earlier stage's checkpoints folder: its latest model, optimizer, data position")
 parser.add_argument("--reset-optimizer", type=int, default=0,
                     help="1: with --init-from, start with a fresh optimizer (stage 3)")
 parser.add_argument("--data", default="data/rl.jsonl", help='JSONL of {"question", "answer"} problems')
@@ -94,7 +95,7 @@ parser.add_argument("--driver", choices=["scheduler", "lockstep"], default="sche
 parser.add_argument("--kv-overcommit", type=float, default=1.0,
                     help="admit rollouts up to this times the KV-cache capacity")
 parser.add_argument("--memory-fraction", default="auto",
-                    help="GPUs: the engine's share of GPU memory (weights + KV cache); auto: from the memory plan")
+                    help="GPUs: the engine's share of GPU memory (weights + KV); auto: the memory plan's")
 parser.add_argument("--kv-cache-tokens", type=int, default=None,
                     help="CPUs: the engine's KV cache in tokens (default: engine.CPU_KV_CACHE_TOKENS)")
 parser.add_argument("--plan", action="store_true",
@@ -113,7 +114,8 @@ parser.add_argument("--mini-batches", type=int, default=1,
 parser.add_argument("--eps-low", type=float, default=0.2, help="PPO clip below")
 parser.add_argument("--eps-high", type=float, default=0.28, help="PPO clip above (Clip-Higher)")
 parser.add_argument("--tis-cap", type=float, default=0.0,
-                    help=">0: weight tokens by min(p_trainer / p_sampler, cap) (truncated importance sampling)")
+                    help=">0: weight tokens by min(p_trainer / p_sampler, cap) (truncated importance "
+                         "sampling)")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192,
                     help="tokens per forward pass, padding included (the memory plan assumes it)")
 parser.add_argument("--save-every", type=int, default=10,
@@ -151,7 +153,8 @@ def gpu_memory_plan(ranks: int) -> memory_plan.Plan:
         gib = torch.cuda.get_device_properties(0).total_memory / memory_plan.GiB
     else:
         gib = 80
-    return memory_plan.plan(model_config, ranks, gib, args.micro_batch_tokens, args.max_prompt + args.max_response)
+    rollout_tokens = args.max_prompt + args.max_response
+    return memory_plan.plan(model_config, ranks, gib, args.micro_batch_tokens, rollout_tokens)
 
 
 if args.plan:
@@ -168,7 +171,8 @@ rank, local_rank, world_size, device = init_distributed(args.dist_timeout_minute
 master = rank == 0
 log = print if master else (lambda *a, **k: None)
 if args.problems_per_step % world_size:
-    raise SystemExit(f"--problems-per-step {args.problems_per_step} does not divide across {world_size} ranks\n"
+    raise SystemExit(f"--problems-per-step {args.problems_per_step} does not divide across {world_size} "
+                     f"ranks\n"
                      f"---> HINT: use a multiple of {world_size}, "
                      f"e.g. {args.problems_per_step // world_size * world_size or world_size}")
 if args.group_size > args.rollouts_per_problem:
@@ -179,8 +183,9 @@ if device.type == "cuda" and memory_fraction == "auto":
     gpu_plan = gpu_memory_plan(world_size)
     log(memory_plan.describe(gpu_plan, world_size))
     if not gpu_plan.fits:
-        raise SystemExit("the memory plan above does not fit these GPUs\n---> HINT: fewer --micro-batch-tokens, "
-                         "more GPUs (the trainer's share shrinks with them), or a smaller model")
+        raise SystemExit("the memory plan above does not fit these GPUs\n---> HINT: fewer "
+                         "--micro-batch-tokens, more GPUs (the trainer's share shrinks with them), "
+                         "or a smaller model")
     memory_fraction = gpu_plan.memory_fraction
 log(json.dumps(config, indent=2) + f"\nworld size {world_size}, device {device.type}")
 check_shared_dir(args.out_dir)
@@ -197,7 +202,8 @@ except (OSError, ValueError) as e:
                      f"folder or hub id (the toy world: run `python sft.py --preset toy` first)")
 pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt)
-log(f"data: {len(problems)} problems from {args.data}; dropped {n_long} with a prompt over {args.max_prompt} tokens")
+log(f"data: {len(problems)} problems from {args.data}; "
+    f"dropped {n_long} with a prompt over {args.max_prompt} tokens")
 
 # -----------------------------------------------------------------------------
 # Rollout engine and sandbox: one vLLM engine per rank on its own GPU (colocated), asleep while
@@ -341,7 +347,8 @@ def optimizer_step(kept, advantages, old) -> dict:
         if not micro_batch:  # FSDP's collectives need every rank in every pass
             empty_pass(model, pad_id, device)
             continue
-        input_ids, attention_mask, loss_mask, sampler_logp = micro_batch_tensors([kept[i] for i in micro_batch])
+        rows = [kept[i] for i in micro_batch]
+        input_ids, attention_mask, loss_mask, sampler_logp = micro_batch_tensors(rows)
         adv = torch.tensor([advantages[i] for i in micro_batch], device=device)                # (B,)
         logp = token_logprobs(model, input_ids, attention_mask, args.temperature)               # (B, T-1)
         if old is None:  # one step per RL step: the policy before the step is this one (ratio 1)
@@ -399,8 +406,8 @@ for step in range(start_step, args.steps):
     # ---- 1-2. rollouts: 2G per problem, every rank gets the whole batch ----
     batch = next_problems(position, args.problems_per_step)
     position += args.problems_per_step
-    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response, temperature=args.temperature,
-                        seed=step_seed, kv_budget=kv_budget)
+    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
+                        temperature=args.temperature, seed=step_seed, kv_budget=kv_budget)
     wake_for_rollout(llm)
     t0 = time.perf_counter()
     problem_queue = ProblemQueue(key=f"{args.out_dir}/{step}", distributed=world_size > 1, group=cpu_group())
@@ -476,11 +483,12 @@ for step in range(start_step, args.steps):
     if args.save_every and ((step + 1) % args.save_every == 0 or last):
         save_checkpoint(step + 1, dict(position=position, stream_start=stream_start))
     if (args.export_every and (step + 1) % args.export_every == 0) or last:
-        save_hf_checkpoint(model, tokenizer, os.path.join(args.out_dir, f"hf_step_{step + 1}"), dtype=sync_dtype)
+        export = os.path.join(args.out_dir, f"hf_step_{step + 1}")
+        save_hf_checkpoint(model, tokenizer, export, dtype=sync_dtype)
         if master:  # `final` always points at the newest export
             final = os.path.join(args.out_dir, "final")
             shutil.rmtree(final, ignore_errors=True)
-            shutil.copytree(os.path.join(args.out_dir, f"hf_step_{step + 1}"), final)
+            shutil.copytree(export, final)
 
 # -----------------------------------------------------------------------------
 # Cleanup: the engine goes before the process group, or its finalizer complains.

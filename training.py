@@ -24,7 +24,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
@@ -171,8 +172,8 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     chunks = []
     for start in range(0, batch * positions, chunk_tokens):
         end = start + chunk_tokens
-        chunks.append(checkpoint(_chunk_logprobs, hidden[start:end], targets[start:end], head.weight, head.bias,
-                                 temperature, use_reentrant=False))
+        chunks.append(checkpoint(_chunk_logprobs, hidden[start:end], targets[start:end], head.weight,
+                                 head.bias, temperature, use_reentrant=False))
     return torch.cat(chunks).view(batch, positions)            # (B, T-1)
 
 
@@ -230,9 +231,9 @@ def check_shared_dir(path: str) -> None:
         os.remove(probe)
     if not all(seen):
         blind = [rank for rank, ok in enumerate(seen) if not ok]
-        raise SystemExit(f"ranks {blind} do not see {path} as rank 0 does: it is not on a filesystem shared by "
-                         f"the nodes\n---> HINT: pass --out-dir a folder on a shared filesystem (NFS, Lustre, "
-                         f"...) mounted at the same path on every node")
+        raise SystemExit(f"ranks {blind} do not see {path} as rank 0 does: it is not on a filesystem "
+                         f"shared by the nodes\n---> HINT: pass --out-dir a folder on a shared filesystem "
+                         f"(NFS, Lustre, ...) mounted at the same path on every node")
 
 
 

@@ -120,6 +120,9 @@ def test_only_rank_0_holds_the_full_model_and_both_ranks_end_with_its_weights(tm
     assert all(r["max_diff"] == 0.0 for r in ranks), "the sharded weights must equal the checkpoint's exactly"
     assert all(r["timeouts_minutes"] == [240.0, 240.0] for r in ranks), \
         "the default group and the group for objects must both wait as long as RL needs"
+    assert [r["shared"] for r in ranks] == ["ok", "ok"], "one folder seen by both ranks is shared"
+    assert all("ranks [1] do not see" in r["not_shared"] and "HINT" in r["not_shared"] for r in ranks), \
+        "when the ranks' folders differ (as on nodes without a shared filesystem) every rank must stop, saying so"
 
 
 def _rank_main(folder: str):
@@ -128,7 +131,7 @@ def _rank_main(folder: str):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM  # noqa: F401  (imported before measuring: ~100 MB)
-    from training import cpu_group, init_distributed, load_sharded_model
+    from training import check_shared_dir, cpu_group, init_distributed, load_sharded_model
     rank, _, _, device = init_distributed()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model = load_sharded_model(f"{folder}/model", device)
@@ -140,8 +143,15 @@ def _rank_main(folder: str):
     backend = torch.device("cpu")
     timeouts = [g._get_backend(backend).options._timeout.total_seconds() / 60
                 for g in (torch.distributed.distributed_c10d._get_default_group(), cpu_group())]
+    result = {"grew_mb": grew, "model_mb": model_mb, "max_diff": max_diff, "timeouts_minutes": timeouts}
+    check_shared_dir(f"{folder}/out")
+    result["shared"] = "ok"
+    try:  # each rank its own folder under one name: what nodes without a shared filesystem see
+        check_shared_dir(f"{folder}/out-{rank}")
+    except SystemExit as e:
+        result["not_shared"] = str(e)
     with open(f"{folder}/rank{rank}.json", "w") as f:
-        json.dump({"grew_mb": grew, "model_mb": model_mb, "max_diff": max_diff, "timeouts_minutes": timeouts}, f)
+        json.dump(result, f)
     torch.distributed.destroy_process_group()
 
 

@@ -1,0 +1,47 @@
+"""The project's layout: every file is a library or a script, and no script imports another script.
+
+A script is a file with a command line (it parses arguments); a library is imported and has none
+(at most a self-check). The imports are read from the source, not executed."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = sorted(p for folder in (ROOT, ROOT / "data", ROOT / "bench") for p in folder.glob("*.py"))
+
+
+def is_script(path: Path) -> bool:
+    return "parse_args(" in path.read_text()
+
+
+def project_imports(path: Path) -> set[Path]:
+    """The project files a file imports (by module name, as `python file.py` would find them)."""
+    by_name = {}
+    for folder in (path.parent, ROOT):  # the scripts in data/ and bench/ put the root first on sys.path
+        by_name.update({p.stem: p for p in folder.glob("*.py")})
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] in by_name and by_name[parts[0]] != path:
+                found.add(by_name[parts[0]])
+            if len(parts) > 1 and (ROOT / parts[0] / f"{parts[1]}.py").exists():  # e.g. data.prepare_eval
+                found.add(ROOT / parts[0] / f"{parts[1]}.py")
+    return found
+
+
+def test_the_layout_has_both_kinds():
+    names = {p.name for p in FILES}
+    assert {"train.py", "sft.py", "eval.py", "demo.py"} <= names and is_script(ROOT / "train.py")
+    assert not is_script(ROOT / "training.py") and not is_script(ROOT / "rollout.py")
+
+
+def test_no_file_imports_a_script():
+    bad = [f"{path.relative_to(ROOT)} imports {imported.relative_to(ROOT)}"
+           for path in FILES for imported in project_imports(path) if is_script(imported)]
+    assert not bad, "a script must import libraries only; move what they share into a library: " + "; ".join(bad)
