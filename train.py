@@ -325,8 +325,9 @@ def micro_batches(kept):
 
 
 @torch.no_grad()
-def old_logprobs(kept) -> list[torch.Tensor]:
-    """With several optimizer steps per RL step: the log-probs before the first, per trajectory."""
+def old_logprobs(kept) -> list[torch.Tensor | None]:
+    """The current policy's log-probs of this rank's trajectories of `kept` (the same micro-batches
+    optimizer_step will run), per trajectory; None for the other ranks' trajectories."""
     out = [None] * len(kept)
     for micro_batch in micro_batches(kept):
         if not micro_batch:
@@ -378,12 +379,12 @@ def policy_update(kept, advantages) -> dict:
     """(4) --mini-batches optimizer steps on the kept trajectories. Returns the metrics, summed over
     ranks and averaged over the steps (the mismatch's maximum: the largest)."""
     k = min(args.mini_batches, max(len(kept), 1))
-    old = old_logprobs(kept) if k > 1 else None
+    # contiguous parts of the kept batch (whole groups stay together when G divides the part)
+    parts = [range(j * len(kept) // k, (j + 1) * len(kept) // k) for j in range(k)]
+    old = [old_logprobs([kept[i] for i in part]) if k > 1 else None for part in parts]  # all before the first
     steps = []
-    for j in range(k):  # contiguous parts of the kept batch (whole groups stay together when G divides)
-        part = range(j * len(kept) // k, (j + 1) * len(kept) // k)
-        steps.append(optimizer_step([kept[i] for i in part], [advantages[i] for i in part],
-                                    None if old is None else [old[i] for i in part]))
+    for part, part_old in zip(parts, old):
+        steps.append(optimizer_step([kept[i] for i in part], [advantages[i] for i in part], part_old))
     totals = torch.tensor([[s[m] for m in METRICS] for s in steps], device=device)            # (K, metrics)
     worst = torch.tensor(max(s["logprob_mismatch_max"] for s in steps), device=device)
     dist.all_reduce(totals)
@@ -415,6 +416,7 @@ for step in range(start_step, args.steps):
                             problem_queue)
     row["rollout_seconds"] = time.perf_counter() - t0
     row["tool_wait_seconds"] = rstats.get("idle_seconds", rstats.get("tool_seconds"))
+    row["peak_admitted"] = rstats.get("peak_admitted")  # rollouts at once on this rank's engine (scheduler)
     sleep(llm)
 
     # ---- 3. GRPO-RoC down-sampling and advantages ----

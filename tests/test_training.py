@@ -125,6 +125,31 @@ def test_only_rank_0_holds_the_full_model_and_both_ranks_end_with_its_weights(tm
         "when the ranks' folders differ (as on nodes without a shared filesystem) every rank must stop, saying so"
 
 
+@pytest.mark.slow
+def test_a_rank_whose_sandbox_cannot_start_stops_the_whole_job(tmp_path):
+    """Rank 1's sandbox workers die at start (their Python is /bin/false); rank 0 goes on and waits for
+    rank 1 on the gloo group, as train.py's ranks wait for each other's rollouts. The job must end, with
+    the sandbox's message, instead of rank 0 waiting for the process group's four-hour timeout."""
+    import time
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, str(tmp_path), "sandbox"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0 and "workers did not start" in proc.stderr and "HINT" in proc.stderr
+    assert time.monotonic() - start < 300, "the other rank was left waiting"
+
+
+def _sandbox_rank_main():
+    """One rank of the test above (run by torchrun)."""
+    from sandbox import Sandbox
+    from training import cpu_group, init_distributed
+    rank = init_distributed()[0]
+    if rank == 1:
+        sys.executable = "/bin/false"
+    with Sandbox(workers=1, timeout=2.0):
+        torch.distributed.barrier(group=cpu_group())
+
+
 def _rank_main(folder: str):
     """One rank of the test above (run by torchrun)."""
     import resource
@@ -156,7 +181,10 @@ def _rank_main(folder: str):
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1])
+    if sys.argv[2:] == ["sandbox"]:
+        _sandbox_rank_main()
+    else:
+        _rank_main(sys.argv[1])
 
 
 # -- what the step leaves behind -----------------------------------------------------------------
