@@ -8,11 +8,16 @@ trajectories wait for the longest one at every turn, tool calls wait to run as o
 batch bigger than the KV cache makes the engine preempt and recompute. `rollout_scheduled` fixes
 all three:
 
-1. KV-budget admission. Each running trajectory reserves its prompt plus the maximum response
-   length in KV-cache tokens; new trajectories are admitted while the reservations fit the budget
-   (the engine's cache unless RolloutConfig.kv_budget says otherwise), and the moment one
-   finishes its reservation is released and the next is admitted. All turns of a trajectory run
-   on the engine that admitted it, so its earlier turns stay in the prefix cache.
+1. KV-budget admission by what trajectories hold. Each admitted trajectory counts the KV-cache
+   tokens it holds (prompt + response so far, in whole cache blocks; while it waits on a tool its
+   prefix stays cached for the next turn) plus room for one more turn (the batch's mean growth per
+   turn so far; max_response / max_turns before a turn has ended). New trajectories are admitted
+   while the total fits the budget (the engine's cache unless RolloutConfig.kv_budget says
+   otherwise), and as trajectories finish the next are admitted. Reserving prompt + max_response
+   instead (the paper's estimate) never overflows the cache but leaves most of it idle when most
+   responses are short; here a trajectory that outgrows its turn of room can make vLLM preempt
+   and recompute a request, and admission waits until the total fits again. All turns of a
+   trajectory run on the engine that admitted it, so its earlier turns stay in the prefix cache.
 2. Asynchronous tool calls. When a turn ends with a tool call it goes to the sandbox at once; the
    engine keeps stepping the other trajectories; when the result arrives its tool turn is
    appended and the next turn is queued. With nothing to step the loop blocks on the results
@@ -68,6 +73,13 @@ class ProblemQueue:
         parts = [None] * self.world_size
         dist.all_gather_object(parts, items, group=self.group)
         return [x for part in parts for x in part]
+
+
+def kv_block_tokens(engine) -> int:
+    """Tokens per KV-cache block, the unit the engine allocates in: vllm 0.32 keeps it in the
+    engine's cache config. 1 for an engine without one (tests' fakes)."""
+    config = getattr(engine, "vllm_config", None)
+    return config.cache_config.block_size if config is not None else 1
 
 
 def request_id(traj) -> str:
@@ -131,48 +143,55 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
     trajectories, stats: seconds are this rank's, counts the whole batch's)."""
     from tqdm import tqdm
     problem_queue = problem_queue or ProblemQueue()
-    kv_tokens = cfg.kv_budget or kv_capacity_tokens(engine)
+    kv_tokens, block = cfg.kv_budget or kv_capacity_tokens(engine), kv_block_tokens(engine)
     results = queue.SimpleQueue()        # (trajectory, future) put by the sandbox's threads (2)
-    waiting, running, trajs = deque(), {}, []  # pulled-not-admitted, request id -> traj, admitted
-    reserved, in_tools, exhausted = 0, 0, False
+    waiting, running, live = deque(), {}, {}  # pulled-not-admitted; request id -> traj; admitted, unfinished
+    trajs, in_tools, exhausted = [], 0, False
+    grown, turns = 0, 0                  # (1) response tokens added by the batch's turns, and how many
     gen_s = idle_s = kv_sum = 0.0
     steps, peak, finished_at, t_start = 0, 0, [], time.perf_counter()
     bar = tqdm(total=len(problems) * n, desc="rollouts", unit="traj", leave=False)
 
-    def cost(t):                                   # (1) prompt + the whole response budget
-        return len(t.prompt_ids) + cfg.max_response
+    def cost(t):                                   # (1) what t holds, plus one turn of growth
+        turn = grown / turns if turns else cfg.max_response / cfg.max_turns
+        tokens = len(t.prompt_ids) + min(len(t.response_ids) + turn, cfg.max_response)
+        return -(-int(tokens) // block) * block
 
     def submit(t):                                 # queue t's next turn on this engine
         running[request_id(t)] = t
         engine.add_request(request_id(t), {"prompt_token_ids": t.prompt_ids + t.response_ids},
                            sampling_params(t, cfg, tokenizer))
 
-    def admit():                                   # (1) admit while the reservations fit, (3) pull
-        nonlocal reserved, exhausted
+    def admit():                                   # (1) admit while the total fits, (3) pull
+        nonlocal exhausted
+        held = sum(cost(t) for t in live.values())
         while True:
             if not waiting:
-                if exhausted or (reserved and kv_tokens - reserved < cfg.max_response):
+                if exhausted or (live and held >= kv_tokens):
                     return
                 i = problem_queue.next()
                 if i >= len(problems):
                     exhausted = True
                     return
                 waiting.extend(start_trajectories(tokenizer, [problems[i]], n, offset=i))
-            if reserved and reserved + cost(waiting[0]) > kv_tokens:
+            if live and held + cost(waiting[0]) > kv_tokens:
                 return                             # an empty engine always takes one
             t = waiting.popleft()
-            reserved += cost(t)
+            held += cost(t)
+            live[t.index, t.sample] = t
             trajs.append(t)
             submit(t)
 
     def done(t):
-        nonlocal reserved
-        reserved -= cost(t)                        # (1) release; admit() refills next round
+        del live[t.index, t.sample]                # (1) release; admit() refills next round
         finished_at.append(time.perf_counter() - t_start)
         bar.update(1)
 
     def after_tool(t, result):
+        nonlocal grown
+        before = len(t.response_ids)
         add_tool_turn(t, result, tokenizer, cfg)
+        grown += len(t.response_ids) - before      # (1) a turn's growth includes its tool turn
         if t.finish_reason:
             done(t)
         else:
@@ -192,6 +211,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
                     continue
                 t = running.pop(out.request_id)
                 call = end_turn(t, *sampled(out.outputs[0]), tokenizer, cfg)
+                grown, turns = grown + len(out.outputs[0].token_ids), turns + 1
                 if call is None:
                     done(t)
                 elif isinstance(call, str):        # a parse error is its own tool output

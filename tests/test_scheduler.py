@@ -12,17 +12,22 @@ from scheduler import ProblemQueue, rollout_lockstep, rollout_scheduled
 class StepEngine:
     """An engine with vLLM's step-level interface whose requests each take `steps` steps and
     return a scripted turn: turns(index, sample, turn) -> text. It records which trajectories are
-    live (a request added, the final turn not yet returned), the peak of that, and the order in
-    which trajectories finished."""
+    live (a request added, the final turn not yet returned), the peak of that, the order in which
+    trajectories finished, and the most KV-cache tokens the live trajectories held (prompt and
+    every token seen so far) when a new trajectory arrived."""
 
     def __init__(self, tok, turns, steps=3):
         self.tok, self.turns, self.steps = tok, turns, steps
-        self.requests, self.live, self.peak, self.finished = {}, set(), 0, []
+        self.requests, self.live, self.peak, self.finished = {}, {}, 0, []
+        self.held_at_admission = 0
 
     def add_request(self, rid, prompt, params):
         self.requests[rid] = [self.steps, prompt]
-        self.live.add(tuple(map(int, rid.split("-")[:2])))
+        index, sample, turn = map(int, rid.split("-"))
+        self.live[index, sample] = len(prompt["prompt_token_ids"])
         self.peak = max(self.peak, len(self.live))
+        if turn == 0:
+            self.held_at_admission = max(self.held_at_admission, sum(self.live.values()))
 
     def has_unfinished_requests(self):
         return bool(self.requests)
@@ -34,10 +39,11 @@ class StepEngine:
             if self.requests[rid][0] == 0:
                 index, sample, turn = map(int, rid.split("-"))
                 text = self.turns(index, sample, turn)
-                if "<tool_call>" not in text:
-                    self.live.discard((index, sample))
-                    self.finished.append(index)
                 ids = self.tok.encode(text, add_special_tokens=False)
+                self.live[index, sample] += len(ids)
+                if "<tool_call>" not in text:
+                    del self.live[index, sample]
+                    self.finished.append(index)
                 logprobs = [{t: SimpleNamespace(logprob=-0.1)} for t in ids]
                 outs.append(SimpleNamespace(request_id=rid, finished=True,
                                             outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
@@ -61,15 +67,33 @@ def test_admission_never_exceeds_the_kv_budget_and_refills(tok, sandbox):
     problems = [{"question": f"What is {i}?", "answer": str(i)} for i in range(12)]
     prompt_len = len(tok.encode(render_prompt("What is 10?"), add_special_tokens=False))
     cfg = RolloutConfig(max_response=200)
-    cfg.kv_budget = 5 * (prompt_len + cfg.max_response)      # room for five trajectories
+    cfg.kv_budget = 2 * (prompt_len + cfg.max_response)  # the paper's reservation: room for two
     engine = StepEngine(tok, scripted_turn)
     trajs, stats = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg)
-    assert engine.peak <= 5, f"{engine.peak} trajectories were admitted at once into a budget for 5"
-    assert engine.peak == 5, "admission should fill the budget, not leave it idle"
+    assert engine.held_at_admission <= cfg.kv_budget, \
+        f"a trajectory was admitted while the live ones held {engine.held_at_admission} > {cfg.kv_budget}"
+    assert engine.peak > 2, "short trajectories must run more at once than their maximum length allows"
     assert len(trajs) == 24 and all(t.reward == 1.0 for t in trajs), "every trajectory must finish, graded"
     assert [(t.index, t.sample) for t in trajs] == [(i, s) for i in range(12) for s in range(2)]
     assert [t.tool_calls for t in trajs] == [i % 3 for i in range(12) for _ in range(2)]
-    assert stats["peak_admitted"] <= 5
+    assert stats["peak_admitted"] == engine.peak < 24, "the budget must hold some back until others finish"
+
+
+def test_admission_counts_what_a_trajectory_holds_plus_one_mean_turn(tok, sandbox):
+    """One-turn trajectories of A tokens, prompts of P: before a turn has ended each counts
+    P + max_response / max_turns, afterwards P + A (the mean turn), so the budget takes its
+    floor division by P + A once the first ones are done, not by P + max_response."""
+    problems = [{"question": f"What is {i}?", "answer": str(i)} for i in range(10, 40)]
+    answer = scripted_turn(12, 0, 0)                         # an answer, no tool call
+    turn_len = len(tok.encode(answer, add_special_tokens=False))
+    prompt_len = len(tok.encode(render_prompt("What is 10?"), add_special_tokens=False))
+    cfg = RolloutConfig(max_response=200, max_turns=10)
+    cfg.kv_budget = 2 * (prompt_len + cfg.max_response)
+    engine = StepEngine(tok, lambda index, sample, turn: answer)
+    rollout_scheduled(engine, tok, sandbox, problems, 1, cfg)
+    assert turn_len < cfg.max_response // cfg.max_turns, "the test needs turns shorter than the prior"
+    fit = cfg.kv_budget // (prompt_len + turn_len)
+    assert engine.peak == fit, f"{engine.peak} trajectories at once; holding P + a mean turn each, {fit} fit"
 
 
 def test_a_slow_tool_call_does_not_hold_up_the_others(tok, sandbox):
@@ -111,8 +135,8 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
     decoding and under seeded sampling at temperature 1 (RL's setting; greedy, the toy model
     rarely calls the tool, sampling it does, so this case covers the multi-turn path).
 
-    The scheduler runs twice: with the engine's whole KV cache and with a budget for five
-    trajectories, so that its batches differ from lockstep's in size and make-up. vLLM's CPU
+    The scheduler runs twice: with the engine's whole KV cache and with a budget of five KV-cache
+    blocks, so that its batches differ from lockstep's in size and make-up. vLLM's CPU
     kernels then change the last bits of some log-probs (up to ~1e-5 measured with this model; the
     same batch twice gives bit-identical results), so we require identical token ids and log-probs
     equal to 1e-4. A sampled token could still flip where two candidates are that close (a near-tie
@@ -120,6 +144,7 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
     these seeds, and the failure message gives the first differing position and its log-probs so
     that such a flip can be told apart from a bug."""
     from engine import kv_capacity_tokens
+    from scheduler import kv_block_tokens
     tok, engine = toy_engine.get_tokenizer(), toy_engine.llm_engine
     problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:32]]
     cfg = RolloutConfig(max_response=512, temperature=temperature)
@@ -127,7 +152,8 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
     if temperature > 0:
         assert sum(t.tool_calls for t in lock) >= 5 and max(t.num_turns for t in lock) >= 2, \
             "the sampled case must exercise tool calls and multi-turn trajectories"
-    five = 5 * (max(len(t.prompt_ids) for t in lock) + cfg.max_response)
+    block = kv_block_tokens(engine)
+    five = 5 * block                                    # a fresh trajectory takes one block here
     for kv_tokens in (kv_capacity_tokens(engine), five):
         cfg.kv_budget = kv_tokens
         sched, stats = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg)
@@ -144,8 +170,8 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
                    (b.num_turns, b.tool_calls, b.tool_failures, b.num_answers, b.answer, b.reward, b.finish_reason, b.text)
             assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4, \
                 f"problem {a.index} sample {a.sample}: same tokens, log-probs further apart than numerics explain"
-        assert 2 <= stats["peak_admitted"] <= kv_tokens // (five // 5) and 0 < stats["kv_utilisation"] <= 1
-    assert stats["peak_admitted"] == 5, "with a budget for five, five trajectories must run at once"
+        assert 2 <= stats["peak_admitted"] <= kv_tokens // block and 0 < stats["kv_utilisation"] <= 1
+    assert stats["peak_admitted"] == 5, "with a budget of five blocks, five new trajectories must run at once"
 
 
 # -- two ranks, one queue -------------------------------------------------------------
@@ -153,8 +179,9 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
 @pytest.mark.slow
 def test_two_ranks_share_one_queue_and_the_fast_rank_pulls_more(toy_world, tmp_path):
     """torchrun, two ranks, each with its own (scripted) engine and sandbox; rank 1's tool calls
-    take 5 s, rank 0's none. Each rank's KV budget holds one problem at a time, so a rank pulls a
-    new problem only when its last one is done: rank 0 must take more of them."""
+    take 5 s, rank 0's none. Each rank's KV budget is below one trajectory's, so a rank runs one
+    trajectory at a time (an idle engine always takes one) and pulls a new problem only when its
+    last one is done: rank 0 must take more of them."""
     import os
     import subprocess
     import sys
@@ -192,7 +219,7 @@ def _rank_main(model: str, out: str):
     problems = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
     longest = max(len(tok.encode(render_prompt(p["question"]), add_special_tokens=False)) for p in problems)
     cfg = RolloutConfig(max_response=64)
-    cfg.kv_budget = 2 * (longest + cfg.max_response)       # one problem's two samples
+    cfg.kv_budget = longest                                # less than one trajectory holds with its turn
     with Sandbox(workers=1, timeout=10.0) as sandbox:
         dist.barrier()                                     # start pulling together
         trajs, _ = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg, ProblemQueue("two-ranks", True))
