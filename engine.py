@@ -5,7 +5,7 @@ against vllm 0.32 (what each does and why is in its docstring):
 1. make_engine: bf16 with sleep mode on GPUs; fp32, eager, a KV cache sized in tokens on CPUs.
 2. sync_weights: the trainer's weights loaded in place (`reload_weights`), the prefix cache reset.
 3. sleep / wake_for_rollout: the engine's GPU memory given to training and taken back.
-4. kv_capacity_tokens: how many tokens the engine's KV cache holds.
+4. kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
 On a GPU a step cycles: rollout (awake) -> sleep (weights to host memory, KV cache freed) ->
 training -> sync_weights (the weights woken, nothing else) -> wake_for_rollout (the KV cache).
 """
@@ -96,3 +96,10 @@ def kv_capacity_tokens(engine) -> int:
     config, one of which (the null block) never holds a token."""
     cache = engine.vllm_config.cache_config
     return (cache.num_gpu_blocks - 1) * cache.block_size
+
+
+def kv_block_tokens(engine) -> int:
+    """Tokens per KV-cache block, the unit the engine allocates in: vllm 0.32 keeps it in the
+    engine's cache config. 1 for an engine without one (tests' fakes)."""
+    config = getattr(engine, "vllm_config", None)
+    return config.cache_config.block_size if config is not None else 1

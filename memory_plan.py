@@ -12,8 +12,9 @@ A step cycles through three phases on every GPU (engine.py, train.py):
 3. Weight sync: the engine's weights woken, one parameter gathered in fp32 and converted at a time.
 Every phase also pays the CUDA context and NCCL's buffers. The engine's share of the GPU
 (vLLM's gpu_memory_utilization) is what the trainer leaves during the rollout, less a margin;
-the KV cache is that share less the engine's weights and buffers; a rollout reserves prompt +
-response tokens of it (scheduler.py), which says how many the scheduler admits at once.
+the KV cache is that share less the engine's weights and buffers; a rollout at its longest
+holds prompt + response tokens of it, which says how many fit at once in the worst case (the
+scheduler admits by what rollouts hold, so more run while they are short).
 These are estimates from parameter counts, not measurements: the README's first-GPU-run checklist
 says how to check them.
 """
@@ -137,8 +138,8 @@ def describe(p: Plan, ranks: int) -> str:
              f"computed from the config, not measured)",
              f"  rollout:  trainer shards + AdamW {g(p.trainer_resident)}, "
              f"engine weights {g(p.engine_weights)}, KV cache {g(p.kv_cache)}",
-             f"            engine share (--memory-fraction) {p.memory_fraction:.2f}; a rollout reserves "
-             f"{p.rollout_tokens} tokens: {p.rollouts_at_once} at once",
+             f"            engine share (--memory-fraction) {p.memory_fraction:.2f}; a rollout holds up to "
+             f"{p.rollout_tokens} tokens: {p.rollouts_at_once} at once at their longest",
              f"  training: peak {g(p.training_peak)} (engine asleep)",
              f"  sync:     peak {g(p.sync_peak)} (engine weights awake, one parameter gathered)",
              f"  host memory of a node of 8: {g(p.host)} (the engines' weights while asleep, rank 0's load)",

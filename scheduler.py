@@ -35,7 +35,7 @@ import statistics
 import time
 from collections import deque
 
-from engine import kv_capacity_tokens
+from engine import kv_block_tokens, kv_capacity_tokens
 from rollout import (RolloutConfig, add_tool_turn, batch_stats, end_turn, finish, sampled, sampling_params,
                      start_trajectories)
 
@@ -73,13 +73,6 @@ class ProblemQueue:
         parts = [None] * self.world_size
         dist.all_gather_object(parts, items, group=self.group)
         return [x for part in parts for x in part]
-
-
-def kv_block_tokens(engine) -> int:
-    """Tokens per KV-cache block, the unit the engine allocates in: vllm 0.32 keeps it in the
-    engine's cache config. 1 for an engine without one (tests' fakes)."""
-    config = getattr(engine, "vllm_config", None)
-    return config.cache_config.block_size if config is not None else 1
 
 
 def request_id(traj) -> str:
@@ -143,7 +136,8 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
     trajectories, stats: seconds are this rank's, counts the whole batch's)."""
     from tqdm import tqdm
     problem_queue = problem_queue or ProblemQueue()
-    kv_tokens, block = cfg.kv_budget or kv_capacity_tokens(engine), kv_block_tokens(engine)
+    kv_tokens = cfg.kv_budget or kv_capacity_tokens(engine)
+    block = kv_block_tokens(engine)
     results = queue.SimpleQueue()        # (trajectory, future) put by the sandbox's threads (2)
     waiting, running, live = deque(), {}, {}  # pulled-not-admitted; request id -> traj; admitted, unfinished
     trajs, in_tools, exhausted = [], 0, False

@@ -93,7 +93,7 @@ parser.add_argument("--temperature", type=float, default=1.0,
 parser.add_argument("--driver", choices=["scheduler", "lockstep"], default="scheduler",
                     help="rollout driver (lockstep: the simple baseline)")
 parser.add_argument("--kv-overcommit", type=float, default=1.0,
-                    help="admit rollouts up to this times the KV-cache capacity")
+                    help="the scheduler admits rollouts while what they hold fits this times the KV cache")
 parser.add_argument("--memory-fraction", default="auto",
                     help="GPUs: the engine's share of GPU memory (weights + KV); auto: the memory plan's")
 parser.add_argument("--kv-cache-tokens", type=int, default=None,

@@ -196,7 +196,8 @@ def rollout_async(engine, tokenizer, sandbox, problems, n, cfg):
 
 if args.model is None:
     tmp = tempfile.TemporaryDirectory(prefix="scheduler-bench-")  # removed when the bench ends
-    subprocess.run([sys.executable, "data/prepare_toy.py", "--out", tmp.name, "--n-train", "50", "--n-test", "20",
+    subprocess.run([sys.executable, "data/prepare_toy.py", "--out", tmp.name, "--n-train", "50",
+                    "--n-test", "20",
                     "--n-sft", "200"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     args.model = os.path.join(tmp.name, "init_model")
 

@@ -144,7 +144,7 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
     these seeds, and the failure message gives the first differing position and its log-probs so
     that such a flip can be told apart from a bug."""
     from engine import kv_capacity_tokens
-    from scheduler import kv_block_tokens
+    from engine import kv_block_tokens
     tok, engine = toy_engine.get_tokenizer(), toy_engine.llm_engine
     problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:32]]
     cfg = RolloutConfig(max_response=512, temperature=temperature)
