@@ -25,9 +25,10 @@ import time
 from collections import defaultdict
 
 from engine import make_engine
-from rollout import RolloutConfig, drop_long_prompts, prompt_ids
+from conversation import prompt_ids
+from rollout import RolloutConfig, drop_long_prompts, model_eos_ids, read_problems
 from scheduler import ProblemQueue, rollout_scheduled
-from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed, read_problems
+from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's evaluation settings (1); --filter-solved uses training's (4).
@@ -250,7 +251,8 @@ def main(argv=None, llm=None):
                           memory_fraction=args.memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
                           external_launcher=distributed)
     cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                        eos_ids=model_eos_ids(args.model))
 
     # -- rollouts
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from rollout import render_messages
+from conversation import render_messages
 from training import (empty_pass, init_distributed, load_sharded_model, plan_micro_batches, right_pad,
                       save_hf_checkpoint, token_logprobs)
 

@@ -40,11 +40,11 @@ import memory_plan
 from engine import kv_capacity_tokens, make_engine, sleep, sync_weights, wake_for_rollout
 from grpo_roc import (downsample_uniform, group_advantages, policy_loss, resample_on_correct,
                       tool_error_penalty)
-from rollout import RolloutConfig, drop_long_prompts
+from rollout import RolloutConfig, drop_long_prompts, model_eos_ids, read_problems
 from sandbox import Sandbox
 from scheduler import ProblemQueue, rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, empty_pass, full_weights,
-                      init_distributed, load_sharded_model, plan_micro_batches, read_problems, right_pad,
+                      init_distributed, load_sharded_model, plan_micro_batches, right_pad,
                       save_hf_checkpoint, token_logprobs)
 
 # -----------------------------------------------------------------------------
@@ -172,8 +172,7 @@ master = rank == 0
 log = print if master else (lambda *a, **k: None)
 if args.problems_per_step % world_size:
     raise SystemExit(f"--problems-per-step {args.problems_per_step} does not divide across {world_size} "
-                     f"ranks\n"
-                     f"---> HINT: use a multiple of {world_size}, "
+                     f"ranks\n---> HINT: use a multiple of {world_size}, "
                      f"e.g. {args.problems_per_step // world_size * world_size or world_size}")
 if args.group_size > args.rollouts_per_problem:
     raise SystemExit(f"--group-size {args.group_size} > --rollouts-per-problem {args.rollouts_per_problem}\n"
@@ -196,6 +195,7 @@ check_shared_dir(args.out_dir)
 
 try:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
     model = load_sharded_model(args.model, device, activation_checkpointing=device.type == "cuda").train()
 except (OSError, ValueError) as e:
     raise SystemExit(f"cannot load the model {args.model!r}: {e}\n---> HINT: pass --model an HF checkpoint "
@@ -233,7 +233,6 @@ def next_problems(position: int, count: int) -> list[dict]:
 # torch.distributed.checkpoint), then renamed to step_N by rank 0: a crash mid-write leaves a
 # .tmp folder that resume ignores, never a broken step_N. The oldest complete ones beyond
 # --keep-checkpoints are removed, the newest never.
-
 
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 ckpt_root = os.path.join(args.out_dir, "checkpoints")
@@ -408,7 +407,7 @@ for step in range(start_step, args.steps):
     batch = next_problems(position, args.problems_per_step)
     position += args.problems_per_step
     cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
-                        temperature=args.temperature, seed=step_seed, kv_budget=kv_budget)
+                        temperature=args.temperature, seed=step_seed, kv_budget=kv_budget, eos_ids=eos_ids)
     wake_for_rollout(llm)
     t0 = time.perf_counter()
     problem_queue = ProblemQueue(key=f"{args.out_dir}/{step}", distributed=world_size > 1, group=cpu_group())

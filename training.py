@@ -1,4 +1,4 @@
-"""The training machinery sft.py and train.py share (eval.py uses the process group and the reader).
+"""The training machinery sft.py and train.py share (eval.py uses the process group).
 
 1. The process group: torchrun's environment, or a group of one; NCCL on GPUs, gloo on CPUs, with
    a timeout that fits RL (ranks wait minutes for each other's rollouts), and a gloo group for
@@ -13,12 +13,11 @@
 4. Token log-probs: log p(token t+1 | tokens <= t) at every position, the numbers both losses use,
    computed over chunks of positions so that memory grows with the chunk, not tokens x vocabulary.
 5. Weights out: to the engine one parameter at a time; an HF export written by rank 0.
-6. Files: the problem reader ({"question", "answer"} JSONL, checked line by line), and the check
-   that an output folder is shared by every rank (checkpoints are written by all, renamed by one).
+6. Files: the check that an output folder is shared by every rank (checkpoints are written by all,
+   renamed by one).
 """
 import copy
 import datetime
-import json
 import os
 import warnings
 
@@ -29,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
+
+from conversation import CHAT_TEMPLATE
 
 # -----------------------------------------------------------------------------
 # (1) The process group
@@ -194,7 +195,6 @@ def full_weights(model, dtype):
         del gathered  # (before the next one is gathered)
 
 
-
 def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32) -> None:
     """Gather the full state dict from the FSDP2 shards and write an HF checkpoint (on rank 0).
     Every rank must call this: the gather is a collective."""
@@ -205,6 +205,8 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32) -> N
         config = copy.deepcopy(model.config)  # save_pretrained wrote the dtype of the fp32 master
         config.dtype = dtype                  # weights; vLLM's dtype="auto" must read the saved one
         config.save_pretrained(out_dir)
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = CHAT_TEMPLATE  # apply_chat_template and `vllm serve` render our format
         tokenizer.save_pretrained(out_dir)
     dist.barrier(group=cpu_group())
 
@@ -234,31 +236,3 @@ def check_shared_dir(path: str) -> None:
         raise SystemExit(f"ranks {blind} do not see {path} as rank 0 does: it is not on a filesystem "
                          f"shared by the nodes\n---> HINT: pass --out-dir a folder on a shared filesystem "
                          f"(NFS, Lustre, ...) mounted at the same path on every node")
-
-
-
-
-def read_problems(path: str) -> list[dict]:
-    """{"question": str, "answer": ...} per line (other fields kept, the answer made a string)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file\n---> HINT: `python data/prepare_rl.py` writes "
-                                f"data/rl.jsonl, `python data/prepare_eval.py` the benchmarks, "
-                                f"`python data/prepare_toy.py` the toy world")
-    problems = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                row = f"not JSON ({e})"
-            if not isinstance(row, dict) or not isinstance(row.get("question"), str) \
-                    or not row["question"].strip() or not str(row.get("answer", "")).strip():
-                raise ValueError(f"{path}:{line_number}: a problem needs a question and an answer, got "
-                                 f"{line.strip()[:200]}\n---> HINT: each line is "
-                                 f'{{"question": ..., "answer": ...}}; fix or drop this line')
-            problems.append(dict(row, answer=str(row["answer"])))
-    if not problems:
-        raise ValueError(f"{path}: no problems in the file\n---> HINT: check that it was written completely")
-    return problems

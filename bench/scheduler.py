@@ -50,8 +50,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from engine import CPU_BLOCK, kv_capacity_tokens, make_engine  # noqa: E402
-from rollout import (IM_END, RolloutConfig, add_tool_turn, batch_stats, end_turn, finish,  # noqa: E402
-                     render_tool_call, render_tool_turn, sampled, sampling_params, start_trajectories)
+from conversation import IM_END, render_tool_call, render_tool_turn  # noqa: E402
+from rollout import (RolloutConfig, add_tool_turn, batch_stats, end_turn, finish, sampled,  # noqa: E402
+                     sampling_params, start_trajectories)
 from sandbox import Sandbox  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from scheduler import request_id, rollout_lockstep, rollout_scheduled  # noqa: E402

@@ -32,7 +32,7 @@ from datasets import load_dataset
 from datasets.exceptions import DatasetsError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rollout import as_number  # noqa: E402
+from grading import as_number  # noqa: E402
 
 
 # -----------------------------------------------------------------------------

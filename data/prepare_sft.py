@@ -18,7 +18,7 @@ The paper also rewrote the IF responses and the chat prompts with o4-mini; we us
 Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_DATASETS_OFFLINE=1
 reads only that cache; HF_TOKEN is used if set.
 
-How a record becomes messages (rollout.render_messages renders them):
+How a record becomes messages (conversation.render_messages renders them):
 1. Every assistant turn opens inside <reason> (the template adds it). This data has no reasoning, so
    a final reply is "</reason><answer>REPLY</answer>"; a turn that calls a tool keeps any text before
    the call as its reasoning and closes </reason> before the call (as the toy SFT data does).
@@ -26,7 +26,7 @@ How a record becomes messages (rollout.render_messages renders them):
    ("tool_call": {"code": ..., "input": ""}) after the explanation that precedes it. The conversation
    ends at the call: we do not run the code, and we will not invent an output for it.
 3. Other function calls are KEPT, written as plain assistant text in the very format of the Python
-   tool's call (rollout.render_function_call writes both:
+   tool's call (conversation.function_call_pieces writes both:
    "\\n<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>"), with the conversation's
    own functions listed in the system prompt's <tools> block and their results as tool turns. They
    are the paper's 117K function-calling examples: they teach the JSON call format and when to call,
@@ -48,7 +48,8 @@ from datasets import load_dataset
 from datasets.exceptions import DatasetsError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rollout import SYSTEM_PROMPT, parse_tool_call, render_assistant_turn, render_function_call  # noqa: E402
+from conversation import (SYSTEM_PROMPT, function_call_pieces, parse_tool_call,  # noqa: E402
+                          render_assistant_turn)
 
 
 class Skip(Exception):
@@ -87,7 +88,7 @@ def build(steps, tools=None):
             msgs.append({"role": "assistant", "content": thought + "</reason>",
                          "tool_call": {"code": code, "input": stdin}})
         elif calls:
-            written = "".join(render_function_call(name, arguments) for _, (name, arguments) in calls)
+            written = "".join("".join(function_call_pieces(name, arguments)) for _, (name, arguments) in calls)
             msgs.append({"role": "assistant", "content": thought + "</reason>" + written})
         elif thought:
             if "<tool_call>" in thought:
@@ -124,9 +125,7 @@ def build(steps, tools=None):
     close_turn()
     if not msgs or msgs[0]["role"] != "user" or msgs[-1]["role"] != "assistant":
         raise Skip("not user ... assistant")
-    if any(s in json.dumps(m) for m in msgs for s in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")):
-        raise Skip("contains chat special tokens")
-    for m in msgs:  # the tool call must parse back exactly (code containing "</tool_call>" would not)
+    for m in msgs:  # the tool call must parse back exactly
         call = m.get("tool_call")
         if call is not None and parse_tool_call(render_assistant_turn(m)) != (call["code"], call["input"]):
             raise Skip("tool call does not round-trip")

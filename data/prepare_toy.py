@@ -25,8 +25,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rollout import (IM_END, IM_START, SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, format_tool_response,  # noqa: E402
-                     render_assistant_turn, render_prompt, render_tool_turn)
+from conversation import (CHAT_TEMPLATE, IM_END, IM_START, format_tool_response,  # noqa: E402
+                          render_assistant_turn, render_prompt, render_tool_turn)
 
 # -----------------------------------------------------------------------------
 # Arguments
@@ -203,29 +203,9 @@ tok.train_from_iterator(corpus, trainers.BpeTrainer(
     vocab_size=args.vocab_size, special_tokens=SPECIALS, show_progress=False,
     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
 
-# The chat template renders the same text as rollout.render_messages (system prompt by default,
-# user prefix, tool results as user turns, assistant turns opened with <reason>).
-CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system=" + json.dumps(SYSTEM_PROMPT) + ") -%}"
-    "{%- if messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] %}{% endif -%}"
-    "{{ '<|im_start|>system\\n' + ns.system + '<|im_end|>' }}"
-    "{%- for m in messages if m['role'] != 'system' -%}"
-    "{%- if m['role'] == 'user' -%}"
-    "{{ '\\n<|im_start|>user\\n' + " + json.dumps(USER_PREFIX) + " + m['content'] + '<|im_end|>' }}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{{ '\\n<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>' }}"
-    "{%- else -%}"
-    "{{ '\\n<|im_start|>assistant\\n<reason>' + m['content'] }}"
-    "{%- if m.get('tool_call') %}{{ '\\n<tool_call>\\n' + ({'name': " + json.dumps(TOOL_NAME)
-    + ", 'arguments': {'code': m['tool_call']['code'], 'input': m['tool_call'].get('input', '')}} | tojson) + '\\n</tool_call>' }}{% endif -%}"
-    "{{ '<|im_end|>' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}{{ '\\n<|im_start|>assistant\\n<reason>' }}{% endif -%}"
-)
 tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token=IM_END,
                                     pad_token="<|endoftext|>", unk_token=None)
-tokenizer.chat_template = CHAT_TEMPLATE
+tokenizer.chat_template = CHAT_TEMPLATE  # the project's format: the text render_messages renders
 
 # -----------------------------------------------------------------------------
 # The untrained model: Qwen3 architecture, untied embeddings, head_dim >= 32 (vLLM's CPU kernels).

@@ -18,7 +18,8 @@ import prepare_eval  # noqa: E402
 import prepare_rl  # noqa: E402
 import prepare_sft  # noqa: E402
 from prepare_sft import Skip  # noqa: E402
-from rollout import SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, parse_tool_call, render_assistant_turn, render_messages  # noqa: E402
+from conversation import (SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, parse_tool_call, render_assistant_turn,  # noqa: E402
+                          render_messages)
 
 # -----------------------------------------------------------------------------
 # Integer answers
@@ -249,8 +250,7 @@ def test_instruction_following_and_chat_become_plain_answers():
 @pytest.mark.parametrize("steps, reason", [
     ([("user", "q"), ("result", "42")], "tool result without a call"),
     ([("user", "q"), ("call", ("f", {})), ("result", "1"), ("user", "again")], "user turn right after a tool result"),
-    ([("user", "q"), ("assistant", "use <|im_end|> here")], "contains chat special tokens"),
-    ([("user", "q"), ("code", ("print('</tool_call>')", ""))], "tool call does not round-trip"),
+    ([("user", "q"), ("code", ("print(1)", None))], "tool call does not round-trip"),
     ([("user", "q")], "not user ... assistant"),
     ([("assistant", "hi"), ("user", "q")], "not user ... assistant"),
 ])

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from rollout import (IM_END, RolloutConfig, Trajectory, add_tool_turn, end_turn, finish,
-                     format_tool_response, render_tool_call, render_tool_turn, start_trajectories)
+from conversation import IM_END, format_tool_response, render_tool_call, render_tool_turn
+from rollout import RolloutConfig, Trajectory, add_tool_turn, end_turn, finish, start_trajectories
 from sandbox import ExecResult
 
 

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout import IM_END, RolloutConfig, render_prompt, render_tool_call
+from conversation import IM_END, render_prompt, render_tool_call
+from rollout import RolloutConfig
 from scheduler import ProblemQueue, rollout_lockstep, rollout_scheduled
 
 

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sft  # noqa: E402
-from rollout import USER_PREFIX, render_messages, render_tool_call  # noqa: E402
+from conversation import USER_PREFIX, render_messages, render_tool_call  # noqa: E402
 from training import plan_micro_batches  # noqa: E402
 
 

@@ -16,8 +16,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from rollout import (IM_END, extract_answer, format_tool_response, grade, parse_tool_call,  # noqa: E402
-                     render_messages, render_prompt, render_tool_turn)
+from conversation import (IM_END, extract_answer, format_tool_response, parse_tool_call,  # noqa: E402
+                          render_messages, render_prompt, render_tool_turn)
+from grading import grade  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
