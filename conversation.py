@@ -55,9 +55,10 @@ class Content(str):
 # "".join(pieces) is its text; encode(tokenizer, pieces) its token ids.
 
 def prompt_pieces(question: str, system: str = SYSTEM_PROMPT) -> list[str]:
-    """System + user turn, then the assistant turn opened with <reason>."""
-    return [f"{IM_START}system\n", Content(system), f"{IM_END}\n{IM_START}user\n{USER_PREFIX}",
-            Content(question), f"{IM_END}\n{ASSISTANT_OPEN}"]
+    """System + user turn, then the assistant turn opened with <reason>. The system prompt is the
+    template's own text: it shows the model the <tool_call></tool_call> markers it is to write."""
+    return [f"{IM_START}system\n{system}{IM_END}\n{IM_START}user\n{USER_PREFIX}", Content(question),
+            f"{IM_END}\n{ASSISTANT_OPEN}"]
 
 
 def user_turn_pieces(question: str) -> list[str]:
@@ -161,9 +162,11 @@ def _jinja(text: str) -> str:
     return json.dumps(text)  # a JSON string is a Jinja string literal
 
 
-# The same format as a Jinja chat template, saved with every checkpoint (training.save_hf_checkpoint), so that
-# tokenizer.apply_chat_template and `vllm serve` render what render_messages renders. The "tool_call" of an
-# assistant message is {"code", "input"}, as in render_messages.
+# The same format as a Jinja chat template, saved with every checkpoint (training.save_hf_checkpoint), so
+# that tokenizer.apply_chat_template and `vllm serve` render the text render_messages renders. The
+# "tool_call" of an assistant message is {"code", "input"}, as in render_messages. Its tokens are the same
+# where each assistant turn starts at a pre-tokenizer boundary; a tokenizer may also join "<reason>" to the
+# turn's first word when it encodes a whole conversation (Qwen3 has ">The"), which a rollout never does.
 CHAT_TEMPLATE = (
     "{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else "
     + _jinja(SYSTEM_PROMPT) + " -%}"

@@ -1,8 +1,10 @@
-"""Shared fixtures: the toy world, the SFT'd toy model, one vLLM engine and one sandbox per session.
+"""Shared fixtures: the toy world, the SFT'd toy model, the real artefacts (Qwen3's tokenizer and
+SmolLM2-135M-Instruct), one vLLM engine and one sandbox per session.
 
 The SFT'd toy model takes minutes to train on a CPU, so it is built once per machine and cached
-under ~/.cache/rstar2-agent (RSTAR2_TEST_CACHE overrides), keyed by the code that makes it.
-RSTAR2_TOY_WORLD and RSTAR2_TOY_MODEL point the tests at an existing toy world / SFT'd model."""
+under ~/.cache/rstar2-agent (RSTAR2_TEST_CACHE overrides), keyed by the code that makes it; so are
+the real artefacts. RSTAR2_TOY_WORLD, RSTAR2_TOY_MODEL and RSTAR2_REAL_ARTEFACTS point the tests
+at an existing toy world / SFT'd model / output of data/prepare_real.py."""
 import fcntl
 import hashlib
 import os
@@ -28,12 +30,12 @@ def _run(*cmd):
 
 def _cached(name: str, key_files: list[str], build) -> Path:
     """Build `name` once per key (a hash of the files that make it), atomically, under a lock."""
-    from rollout import render_messages  # noqa: F401  (the format is part of the key below)
-    import rollout
+    import conversation  # the format is part of the key
     h = hashlib.sha256()
     for f in key_files:
         h.update((ROOT / f).read_bytes())
-    h.update((rollout.render_prompt("q") + rollout.render_tool_turn("o") + rollout.render_tool_call("c")).encode())
+    h.update((conversation.render_prompt("q") + conversation.render_tool_turn("o")
+              + conversation.render_tool_call("c")).encode())
     path = CACHE / f"{name}-{h.hexdigest()[:12]}"
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f"{name}.lock", "w") as lock:
@@ -63,6 +65,29 @@ def toy_sft_model(toy_world) -> Path:
         _run("sft.py", "--preset", "toy", "--model", toy_world / "init_model",
              "--data", toy_world / "sft.jsonl", "--out-dir", out)
     return _cached("toy-sft", ["data/prepare_toy.py", "sft.py"], build)
+
+
+@pytest.fixture(scope="session")
+def real_artefacts() -> Path:
+    """data/prepare_real.py's output: qwen3-tokenizer/ and smollm2-135m-instruct/ (~30 s to build)."""
+    if os.environ.get("RSTAR2_REAL_ARTEFACTS"):
+        return Path(os.environ["RSTAR2_REAL_ARTEFACTS"])
+    def build(out):
+        _run("data/prepare_real.py", "--out", out)
+    return _cached("real-artefacts", ["data/prepare_real.py"], build)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(real_artefacts):
+    """Qwen3's real tokenizer (151,669 tokens; ChatML and tool-call special tokens)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(real_artefacts / "qwen3-tokenizer")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir(real_artefacts) -> Path:
+    """SmolLM2-135M-Instruct as a plain HF folder (fp32 Llama, tied embeddings, its tokenizer inside)."""
+    return real_artefacts / "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="session")

@@ -226,10 +226,10 @@ REAL_CONVERSATION = [
     {"role": "assistant", "content": "Let me multiply first.\n</reason>",
      "tool_call": {"code": "a = 17 * 23\nprint(a, a + 1000)", "input": ""}},
     {"role": "tool", "content": "391 1391"},
-    {"role": "assistant", "content": " The product is 391 and the sum is 1391.</reason>\n"
+    {"role": "assistant", "content": "So the product is 391 and the sum is 1391.</reason>\n"
                                      "<answer>\\boxed{1391}</answer>"},
     {"role": "user", "content": "And 2 ** 10?"},
-    {"role": "assistant", "content": "That is 1024.</reason><answer>\\boxed{1024}</answer>"},
+    {"role": "assistant", "content": "Let me see: 1024.</reason><answer>\\boxed{1024}</answer>"},
 ]
 # Qwen3's added tokens that could pass for control tokens in untrusted text.
 QWEN3_CONTROL = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>",
@@ -251,6 +251,10 @@ def real_tokenizers(qwen3_tokenizer, smollm2_model_dir, toy_world):
 
 @pytest.mark.parametrize("name", ["qwen3", "smollm2", "toy"])
 def test_chat_template_renders_what_render_messages_encodes_token_for_token(real_tokenizers, name):
+    # Token for token where each assistant turn starts at a pre-tokenizer boundary, as here ("Let", "So").
+    # Qwen3's vocabulary also has 108 tokens that join ">" to what follows (">The", ">I", ">\n"): encoded
+    # whole, "<reason>The" ends in one, which a rollout (sampling after the prompt's "<reason>") never
+    # produces. render_messages encodes turn by turn, as rollouts do; it is the one to train on.
     import copy
     from conversation import CHAT_TEMPLATE
     tok = copy.copy(real_tokenizers[name])
@@ -277,10 +281,8 @@ def test_untrusted_text_never_becomes_a_control_token(qwen3_tokenizer):
         "a tool's output turned into control tokens: only the template's own markers may be special"
     assert tok.decode(traj.response_ids) == render_tool_turn(attack), "the output must still read as printed"
     assert encode(tok, tool_turn_pieces("408")) == tok.encode(render_tool_turn("408"), add_special_tokens=False)
-    question = prompt_ids(tok, "What is 1+1?" + attack)
-    assert [i for i in question if i in control] == [tok.convert_tokens_to_ids(t) for t in
-                                                     ["<|im_start|>", "<|im_end|>", "<|im_start|>",
-                                                      "<|im_end|>", "<|im_start|>"]], \
+    attacked, clean = prompt_ids(tok, "What is 1+1?" + attack), prompt_ids(tok, "What is 1+1?")
+    assert [i for i in attacked if i in control] == [i for i in clean if i in control], \
         "problem text must not add control tokens to the prompt"
     conv = [{"role": "user", "content": attack}, {"role": "assistant", "content": attack}]
     ids, mask = render_messages(tok, conv)

@@ -1,0 +1,99 @@
+"""Talk to a checkpoint in the project's format from the terminal: type a problem, watch each assistant
+turn stream by, each tool call run in the sandbox and its output come back, then the extracted answer.
+
+    python chat.py --model runs/toy/sft                    # type problems; Ctrl-D quits
+    echo "What is 1234 * 5678?" | python chat.py --model runs/toy/sft --temperature 0
+
+The same template (conversation.py), turn logic (rollout.py), sandbox and engine (engine.py) as
+training and evaluation: this file only prints what they do, one turn at a time.
+"""
+import argparse
+import os
+import sys
+
+from conversation import format_tool_response
+from engine import make_engine
+from rollout import RolloutConfig, add_tool_turn, end_turn, model_eos_ids, sampled, sampling_params
+from rollout import start_trajectories
+from sandbox import Sandbox
+
+parser = argparse.ArgumentParser(description="Chat with a checkpoint: its turns, tool calls and answer.")
+parser.add_argument("--model", required=True, help="an HF checkpoint folder (sft.py or train.py output)")
+parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
+parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+parser.add_argument("--max-turns", type=int, default=30, help="assistant turns per problem (eval: 30)")
+parser.add_argument("--max-model-len", type=int, default=None,
+                    help="prompt + response tokens (default: the model's context, at most 32768)")
+parser.add_argument("--kv-cache-tokens", type=int, default=None, help="CPU: the KV cache in tokens")
+parser.add_argument("--memory-fraction", type=float, default=0.5, help="GPU: the engine's share of memory")
+parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+args = parser.parse_args()
+
+from transformers import AutoConfig, AutoTokenizer  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+
+tokenizer = AutoTokenizer.from_pretrained(args.model)
+max_len = args.max_model_len or min(AutoConfig.from_pretrained(args.model).max_position_embeddings, 32768)
+llm = make_engine(args.model, max_len, seed=args.seed, memory_fraction=args.memory_fraction,
+                  kv_cache_tokens=args.kv_cache_tokens)
+engine = llm.llm_engine
+eos_ids = model_eos_ids(args.model)
+tty = sys.stdin.isatty()
+DIM, BOLD, RESET = ("\033[2m", "\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "", "")
+
+
+def sample_turn(traj, cfg):
+    """One assistant turn, printed as it is generated; returns its (token ids, log-probs)."""
+    params = sampling_params(traj, cfg, tokenizer)
+    params.output_kind = RequestOutputKind.CUMULATIVE  # every engine step: the turn so far
+    engine.add_request(f"{traj.index}-{traj.num_turns}",
+                       {"prompt_token_ids": traj.prompt_ids + traj.response_ids}, params)
+    shown, last = "", None
+    while engine.has_unfinished_requests():
+        for last in engine.step():
+            text = tokenizer.decode(last.outputs[0].token_ids)
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    return sampled(last.outputs[0])
+
+
+def solve(index: int, question: str, sandbox) -> None:
+    """Roll out one trajectory turn by turn, printing each turn, tool call and tool output."""
+    traj = start_trajectories(tokenizer, [{"question": question, "answer": ""}], n=1, offset=index)[0]
+    cfg = RolloutConfig(max_turns=args.max_turns, max_response=max_len - len(traj.prompt_ids),
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed + index,
+                        eos_ids=eos_ids)
+    if cfg.max_response <= 0:
+        print(f"the problem takes {len(traj.prompt_ids)} tokens: more than --max-model-len {max_len}")
+        return
+    while True:
+        print(f"{BOLD}assistant:{RESET} <reason>", end="", flush=True)
+        call = end_turn(traj, *sample_turn(traj, cfg), tokenizer, cfg)
+        print()
+        if call is None:  # the trajectory has finished
+            break
+        result = call if isinstance(call, str) else sandbox.run(*call)  # a parse error is its own output
+        add_tool_turn(traj, result, tokenizer, cfg)
+        output = result if isinstance(result, str) else format_tool_response(result, cfg.max_tool_chars)
+        status = "parse error" if isinstance(result, str) else result.status
+        print(f"{DIM}tool ({status}):{RESET}\n{output}")
+        if traj.finish_reason:  # the tool's output did not fit in the token budget
+            break
+    print(f"{BOLD}answer:{RESET} {traj.answer}   {DIM}({traj.num_turns} turns, {traj.tool_calls} tool calls, "
+          f"{len(traj.response_ids)} tokens, ended: {traj.finish_reason}){RESET}\n", flush=True)
+
+
+with Sandbox(workers=1) as sandbox:
+    print(f"{args.model}: type a problem and press Enter; Ctrl-D quits.", file=sys.stderr)
+    index = 0
+    while True:
+        try:
+            question = input("problem> " if tty else "").strip()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if question:
+            if not tty:
+                print(f"problem> {question}")
+            solve(index, question, sandbox)
+            index += 1
+del llm
