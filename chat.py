@@ -1,8 +1,8 @@
 """Talk to a checkpoint in the project's format from the terminal: type a problem, watch each assistant
 turn stream by, each tool call run in the sandbox and its output come back, then the extracted answer.
 
-    python chat.py --model runs/toy/sft                    # type problems; Ctrl-D quits
-    echo "What is 1234 * 5678?" | python chat.py --model runs/toy/sft --temperature 0
+    python chat.py --model runs/toy_sft                    # type problems; Ctrl-D quits
+    echo "What is 1234 * 5678?" | python chat.py --model runs/toy_sft --temperature 0
 
 The same template (conversation.py), turn logic (rollout.py), sandbox and engine (engine.py) as
 training and evaluation: this file only prints what they do, one turn at a time.
@@ -46,14 +46,18 @@ def sample_turn(traj, cfg):
     """One assistant turn, printed as it is generated; returns its (token ids, log-probs)."""
     params = sampling_params(traj, cfg, tokenizer)
     params.output_kind = RequestOutputKind.CUMULATIVE  # every engine step: the turn so far
-    engine.add_request(f"{traj.index}-{traj.num_turns}",
-                       {"prompt_token_ids": traj.prompt_ids + traj.response_ids}, params)
+    request_id = f"{traj.index}-{traj.num_turns}"
+    engine.add_request(request_id, {"prompt_token_ids": traj.prompt_ids + traj.response_ids}, params)
     shown, last = "", None
-    while engine.has_unfinished_requests():
-        for last in engine.step():
-            text = tokenizer.decode(last.outputs[0].token_ids)
-            print(text[len(shown):], end="", flush=True)
-            shown = text
+    try:
+        while engine.has_unfinished_requests():
+            for last in engine.step():
+                text = tokenizer.decode(last.outputs[0].token_ids)
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+    except KeyboardInterrupt:  # Ctrl-C stops this problem, not the chat
+        engine.abort_request([request_id])
+        raise
     return sampled(last.outputs[0])
 
 
@@ -89,11 +93,14 @@ with Sandbox(workers=1) as sandbox:
     while True:
         try:
             question = input("problem> " if tty else "").strip()
-        except (EOFError, KeyboardInterrupt):
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt
             break
         if question:
             if not tty:
                 print(f"problem> {question}")
-            solve(index, question, sandbox)
+            try:
+                solve(index, question, sandbox)
+            except KeyboardInterrupt:
+                print("\n(interrupted)")
             index += 1
 del llm
