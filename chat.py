@@ -48,16 +48,18 @@ def sample_turn(traj, cfg):
     params.output_kind = RequestOutputKind.CUMULATIVE  # every engine step: the turn so far
     request_id = f"{traj.index}-{traj.num_turns}"
     engine.add_request(request_id, {"prompt_token_ids": traj.prompt_ids + traj.response_ids}, params)
-    shown, last = "", None
+    shown, text, last = "", "", None
     try:
         while engine.has_unfinished_requests():
             for last in engine.step():
                 text = tokenizer.decode(last.outputs[0].token_ids)
-                print(text[len(shown):], end="", flush=True)
-                shown = text
+                if not text.endswith("\ufffd"):  # (else a character's bytes are still coming)
+                    print(text[len(shown):], end="", flush=True)
+                    shown = text
     except KeyboardInterrupt:  # Ctrl-C stops this problem, not the chat
         engine.abort_request([request_id])
         raise
+    print(text[len(shown):], end="", flush=True)
     return sampled(last.outputs[0])
 
 

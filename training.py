@@ -188,7 +188,9 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature):
 
 def full_weights(model, dtype):
     """(HF name, full tensor in `dtype`) one parameter at a time, for the engine: each is gathered
-    from its FSDP2 shards and converted only when asked for, and nothing here keeps it after."""
+    from its FSDP2 shards and converted only when asked for, and nothing here keeps it after. Tied
+    weights go under both names (embed_tokens and lm_head): embed_tokens alone left vLLM 0.32's CPU
+    engine half-updated (tests/test_real.py syncs SmolLM2's tied pair)."""
     for name, tensor in model.state_dict().items():
         gathered = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         yield name, gathered.to(dtype)
