@@ -53,7 +53,9 @@ def toy_world() -> Path:
     """data/prepare_toy.py's output: train/test problems, sft.jsonl, init_model/."""
     if os.environ.get("RSTAR2_TOY_WORLD"):
         return Path(os.environ["RSTAR2_TOY_WORLD"])
-    return _cached("toy-world", ["data/prepare_toy.py"], lambda out: _run("data/prepare_toy.py", "--out", out))
+    def build(out):
+        _run("data/prepare_toy.py", "--out", out)
+    return _cached("toy-world", ["data/prepare_toy.py"], build)
 
 
 @pytest.fixture(scope="session")
@@ -97,10 +99,26 @@ def sandbox():
         yield sb
 
 
+# Engines live for the whole session: vLLM 0.32 keeps its parallel groups in module globals, and an
+# engine's shutdown tears them down under every other engine of the process.
+
 @pytest.fixture(scope="session")
 def toy_engine(toy_sft_model):
     """One vLLM engine on the SFT'd toy model for the whole session (an engine costs ~1 minute)."""
     from engine import make_engine
     llm = make_engine(str(toy_sft_model), max_model_len=1024, seed=0, kv_cache_tokens=KV_CACHE_TOKENS)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_model_dir):
+    """One vLLM engine on SmolLM2 for the session, with 16K tokens of KV cache (0.7 GB)."""
+    import torch
+    from engine import make_engine
+    # One thread: with another process busy on 2 cores, two threads waiting on each other made the
+    # real-model tests 5x slower. (Once an engine exists, vLLM ignores torch.set_num_threads.)
+    torch.set_num_threads(1)
+    llm = make_engine(str(smollm2_model_dir), max_model_len=2048, seed=0, kv_cache_tokens=16384)
     yield llm
     del llm

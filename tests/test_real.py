@@ -5,8 +5,8 @@ SmolLM2 never saw our format: from the plain prompt it writes "<tool_call>" in f
 The multi-turn trajectories here therefore start from a prompt that holds two toy SFT conversations whose
 first tool call fails and is then fixed, followed by a new toy problem; from there SmolLM2 writes a call in
 about half of its first turns, and rollout.py's functions drive the turns as scheduler.rollout_lockstep does
-(which starts from the plain prompt only). The in-process tests share one SmolLM2 engine; the scripts run
-as commands, sft.py's checkpoint feeding train.py."""
+(which starts from the plain prompt only). The in-process tests share the session's SmolLM2 engine
+(conftest.py); the scripts run as commands, sft.py's checkpoint feeding train.py."""
 import itertools
 import json
 import os
@@ -50,18 +50,6 @@ def conversations_with_a_fixed_call(toy_world: Path, count: int) -> list[list[di
 def tool_turns_between_sampled_turns(traj: Trajectory) -> int:
     """Runs of loss-mask-0 tokens (tool turns) with sampled tokens after them."""
     return len(re.findall("0+(?=1)", "".join(map(str, traj.loss_mask))))
-
-
-@pytest.fixture(scope="module")
-def smollm2_engine(smollm2_model_dir):
-    """One vLLM engine on SmolLM2 for the in-process tests, with 16K tokens of KV cache (0.7 GB)."""
-    from engine import make_engine
-    # One thread, as conftest._run: with another process busy on the 2 cores, two threads waiting on each
-    # other made these tests 5x slower. (Once an engine exists vLLM ignores torch.set_num_threads.)
-    torch.set_num_threads(1)
-    llm = make_engine(str(smollm2_model_dir), max_model_len=2048, seed=0, kv_cache_tokens=16384)
-    yield llm
-    del llm
 
 
 # -----------------------------------------------------------------------------
