@@ -14,7 +14,8 @@ of one model (SmolLM2-135M-Instruct is the one the tests build), on the project'
    longest (prompt + --max-tokens, in whole blocks). Per batch size, prompts of our format
    (conversation.prompt_ids) sampled at --temperature until the end of the turn or --max-tokens;
    batch 1 runs --single-requests prompts one after another. Output tokens/s = sampled tokens / wall.
-Every row carries the 1-minute load average: on a shared machine the figures move with it.
+Every row carries the 1-minute load average (this process's own threads included) and `cores`, the
+process's CPU time over its wall time: on a shared machine the figures move with both.
 The last line: `real model: generation <x> tokens/s at batch <b> (<y> at batch 1), training <z> tokens/s
 (1 thread), <w> (2 threads), peak RSS <r> GB`.
 """
@@ -136,21 +137,23 @@ if args.skip != "train":
     for threads in args.threads:
         torch.set_num_threads(threads)
         tokens = padded = 0
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(args.train_steps):
             real, total = train_step(micro_batches[step % len(micro_batches)])
             tokens, padded, step = tokens + real, padded + total, step + 1
         seconds = time.perf_counter() - t0
         train_rows.append(dict(threads=threads, steps=args.train_steps, tokens=tokens, padded=padded,
-                               seconds=seconds, tokens_per_s=tokens / seconds, load=load()))
+                               seconds=seconds, tokens_per_s=tokens / seconds,
+                               cores=(time.process_time() - cpu0) / seconds, load=load()))
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KB on Linux)
     del model, optimizer
 
     print(f"{'threads':>7}  {'steps':>5}  {'tokens':>7}  {'padding':>7}  {'s/step':>6}  {'tokens/s':>8}  "
-          f"{'load':>4}")
+          f"{'cores':>5}  {'load':>4}")
     for r in train_rows:
         print(f"{r['threads']:7d}  {r['steps']:5d}  {r['tokens']:7d}  {1 - r['tokens'] / r['padded']:7.1%}  "
-              f"{r['seconds'] / r['steps']:6.1f}  {r['tokens_per_s']:8.1f}  {r['load']:4.1f}")
+              f"{r['seconds'] / r['steps']:6.1f}  {r['tokens_per_s']:8.1f}  {r['cores']:5.2f}  "
+              f"{r['load']:4.1f}")
     print(f"peak RSS after training: {peak_rss_gb:.2f} GB")
 
 # -----------------------------------------------------------------------------
@@ -180,7 +183,7 @@ if args.skip != "generate":
 
     for size in args.batch_sizes:
         llm.reset_prefix_cache()  # each size pays for its first prefill of the shared system prompt
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if size == 1:
             out_lengths = [n for ids in prompts[:args.single_requests] for n in run([ids])]
         else:
@@ -189,12 +192,14 @@ if args.skip != "generate":
         gen_rows.append(dict(batch=size, requests=len(out_lengths), seconds=seconds, tokens=sum(out_lengths),
                              mean_length=sum(out_lengths) / len(out_lengths),
                              at_max=sum(n == args.max_tokens for n in out_lengths) / len(out_lengths),
-                             tokens_per_s=sum(out_lengths) / seconds, load=load()))
+                             tokens_per_s=sum(out_lengths) / seconds,
+                             cores=(time.process_time() - cpu0) / seconds, load=load()))
     print(f"{'batch':>5}  {'requests':>8}  {'wall (s)':>8}  {'tokens':>6}  {'mean len':>8}  {'at max':>6}  "
-          f"{'tokens/s':>8}  {'load':>4}")
+          f"{'tokens/s':>8}  {'cores':>5}  {'load':>4}")
     for r in gen_rows:
         print(f"{r['batch']:5d}  {r['requests']:8d}  {r['seconds']:8.1f}  {r['tokens']:6d}  "
-              f"{r['mean_length']:8.1f}  {r['at_max']:6.0%}  {r['tokens_per_s']:8.1f}  {r['load']:4.1f}")
+              f"{r['mean_length']:8.1f}  {r['at_max']:6.0%}  {r['tokens_per_s']:8.1f}  {r['cores']:5.2f}  "
+              f"{r['load']:4.1f}")
 
 # -----------------------------------------------------------------------------
 
