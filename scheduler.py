@@ -27,7 +27,7 @@ all three:
    trajectories or slow tools simply takes fewer problems.
 
 Same turn logic, same per-turn seeds: the same inputs give the same trajectories, up to vLLM's
-numerics changing with batch composition (see tests). bench/scheduler.py measures the difference.
+numerics changing with batch composition (see tests). bench/scheduler_speed.py measures the difference.
 """
 import itertools
 import queue

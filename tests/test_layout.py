@@ -45,3 +45,13 @@ def test_no_file_imports_a_script():
     bad = [f"{path.relative_to(ROOT)} imports {imported.relative_to(ROOT)}"
            for path in FILES for imported in project_imports(path) if is_script(imported)]
     assert not bad, "a script must import libraries only; move what they share into a library: " + "; ".join(bad)
+
+
+def test_no_two_files_share_a_name():
+    """`import sandbox` must name one file: a script in bench/ or data/ named like a library makes a
+    reader (and `python bench/x.py`, whose own folder comes first on sys.path) take one for the other."""
+    by_name = {}
+    for path in FILES:
+        by_name.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, f"files sharing a module name: {shared}; rename the script"

@@ -2,7 +2,7 @@
 call, the way most RL code runs tools, at the same concurrency, on three workloads; then a burst of 1,000
 submissions at once. The last line is the ratio: `speedup vs subprocess: tiny <x>, sympy <y>, error <z>`.
 
-    python bench/sandbox.py [--rounds 3] [--workers N]
+    python bench/sandbox_speed.py [--rounds 3] [--workers N]
 """
 import argparse
 import os

@@ -1,9 +1,9 @@
 """Benchmark: the load-balanced scheduler against the turn-synchronous driver and against
 asynchronous rollouts without admission control, on real vLLM engines.
 
-    python bench/scheduler.py                  # the untrained toy model, built in a temporary folder
-    python bench/scheduler.py --model DIR
-    python bench/scheduler.py --rounds 3       # async and scheduler 3 times per regime, the fastest counts
+    python bench/scheduler_speed.py            # the untrained toy model, built in a temporary folder
+    python bench/scheduler_speed.py --model DIR
+    python bench/scheduler_speed.py --rounds 3 # async and scheduler 3 times per regime, the fastest counts
 
 Three arms run the same problems through the same engine and the same sandbox:
 - lockstep: scheduler.rollout_lockstep, turn k of every trajectory, then turn k's tool calls.
