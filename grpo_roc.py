@@ -1,54 +1,68 @@
-"""GRPO-RoC: Resample-on-Correct down-sampling, group advantages, clipped loss.
+"""GRPO-RoC: Resample-on-Correct down-sampling, group advantages, the clipped loss, and its guards.
 
 What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
 
-1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5
-   when it made none (to encourage tool use). Failures are read from the
-   trajectory's structured `tool_failures` (error, timeout, oom, parse); the
-   official code instead looks for the substring "error" in each
-   <tool_response>, which misses plain timeouts and flags programs that print
-   the word. p_format = 1 without an <answer>, else
-   min(1, (#answers - 1) / #turns), where #turns counts every assistant turn
-   (the official code misses the first, so one-turn answers always get 1).
-2. Groups whose rewards are all equal are dropped: their advantages are all
-   zero, so they carry no gradient. There is no refill; the batch shrinks.
-3. Negatives: floor(|neg| / 2) kept uniformly at random, as in the paper.
-   Departure: at least one is kept. With a single negative the paper's floor
-   keeps none, and the kept group is all-correct: zero advantage, wasted.
-   (The official code keeps the first k in rollout order, k rounded in
-   proportion, at least 2.)
-4. Positives fill the rest of G, sampled without replacement (one draw at a
-   time) with probability proportional to 1 / (p_total + eps), eps = 1e-3,
-   as in the paper; the official code deterministically takes the lowest
-   p_total first. At least one positive survives. Beyond the paper's exact
-   2G -> G case: if positives run short, more negatives fill G; a group of at
-   most G rollouts is kept whole and flagged `short_group`.
-5. `downsample_uniform` is the plain "GRPO with tool" ablation at equal
-   compute: it drops all-equal groups exactly like (2), so both arms train on
-   the same problems, then keeps G of the 2G uniformly at random. A subset can
-   by chance be all-equal; it is kept (zero advantage), as plain GRPO with G
-   rollouts would keep it.
-6. Advantage: (r - mean) / (std + 1e-6) over the kept G, with the unbiased
-   (Bessel-corrected) std of torch.std, as verl does; a group of one gets 0.
-   The same value applies to every token of the rollout.
-7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level:
-   the sum over masked-in tokens divided by `n_loss_tokens`, the token count
-   of the whole step (all micro-batches, all ranks), so any split of the
-   batch gives the gradient of one big batch (DAPO). No KL term, no entropy
-   bonus, and no dual clip (verl's default c = 3 is not in the paper).
-   With one optimizer step per RL step (train.py's default, as in the paper and the official
-   release) the old policy is the current one: the ratio is exactly 1 and the clip never acts
-   (clip_frac_* = 0, ratio_mean = 1, approx_kl = 0). It acts from the second optimizer step of
-   train.py --mini-batches K > 1, which computes the old log-probs once, before the first.
-8. Loss metrics are normalised by `n_loss_tokens` like the loss itself, so
-   they add up over micro-batches and ranks to step-level means.
+1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5 when it made
+   none (to encourage tool use). Failures are read from the trajectory's structured
+   `tool_failures` (error, timeout, oom, parse); the official code instead looks for the
+   substring "error" in each <tool_response>, which misses plain timeouts and flags programs
+   that print the word. p_format = 1 without an <answer>, else min(1, (#answers - 1) / #turns),
+   where #turns counts every assistant turn (the official code misses the first, so one-turn
+   answers always get 1).
+2. Groups whose rewards are all equal are dropped: their advantages are all zero, so they carry
+   no gradient. There is no refill; the batch shrinks.
+3. Negatives: floor(|neg| / 2) kept uniformly at random, as in the paper. Departure: at least one
+   is kept. With a single negative the paper's floor keeps none, and the kept group is
+   all-correct: zero advantage, wasted. (The official code keeps the first k in rollout order,
+   k rounded in proportion, at least 2.)
+4. Positives fill the rest of G, sampled without replacement (one draw at a time) with
+   probability proportional to 1 / (p_total + eps), eps = 1e-3, as in the paper; the official
+   code deterministically takes the lowest p_total first. At least one positive survives.
+   Beyond the paper's exact 2G -> G case: if positives run short, more negatives fill G; a group
+   of at most G rollouts is kept whole, and flagged `short_group` when it has fewer than G.
+5. `downsample_uniform` is the plain "GRPO with tool" ablation at equal compute: it drops
+   all-equal groups exactly like (2), so both arms train on the same problems, then keeps G of
+   the 2G uniformly at random. A subset can by chance be all-equal; it is kept (zero advantage),
+   as plain GRPO with G rollouts would keep it.
+6. Advantage: (r - mean) / (std + 1e-6) over the kept G, with the unbiased (Bessel-corrected)
+   std of torch.std, as verl does; a group of one gets 0. The same value applies to every token
+   of the rollout.
+7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level: the sum over
+   masked-in tokens divided by `n_loss_tokens`, the token count of the whole step (all
+   micro-batches, all ranks), so any split of the batch gives the gradient of one big batch
+   (DAPO). No KL term, no entropy bonus, and no dual clip (verl's default c = 3 is not in the
+   paper). With one optimizer step per RL step (train.py's default, as in the paper and the
+   official release) the old policy is the current one: the ratio is exactly 1 and the clip never
+   acts (clip_frac_* = 0, ratio_mean = 1, approx_kl = 0). It acts from the second optimizer step
+   of train.py --mini-batches K > 1, which computes the old log-probs once, before the first.
+8. Loss metrics are normalised by `n_loss_tokens` like the loss itself, so they add up over
+   micro-batches and ranks to step-level means.
+9. Sandbox failures (always on; the paper reports none): a rollout with `sandbox_failed` (a worker
+   died mid-call, a grading call did not complete) has no outcome, so it leaves before anything
+   reads its reward: it is never a negative. Its group leaves too when fewer than G rollouts
+   would remain: that group would be judged on less evidence than every other one. Otherwise only
+   the failed ones leave: down-sampling discards G of the 2G anyway, while dropping every touched
+   group would, at a 1% failure rate, lose a quarter of the groups of 2G = 32.
+10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended
+   with neither a tool call nor an answer leaves the update. SimpleTIR has no 2G pool; here the
+   filter runs before (2), so down-sampling still fills G from the other rollouts, and the
+   all-equal drop and the advantages see only what trains.
+11. Sampler/trainer mismatch (not in the paper; off by default). Per loss token r = p_trainer /
+   p_sampler, p_trainer being the policy before the step. "tis": weight min(r, C) (truncated
+   importance sampling). "mask" (IcePop): a token with r outside [1/C, C] leaves the loss, the
+   others are weighted by r (IcePop's band is [0.5, 5]; here it is symmetric). "seq-mask" (verl's
+   geometric rejection): a rollout whose geometric-mean r is outside [1/C, C] leaves the loss,
+   the others are unweighted (C ~ 1.001). Masked tokens still count in n_loss_tokens, as in
+   IcePop's objective (verl's rejection drops them from the denominator): masking deletes a
+   token's term without scaling up the others', and n_loss_tokens stays known before any forward.
 
-Both down-samplers take `rng`, a `random.Random`, and return
-`(kept, stats)`: `kept` is the kept trajectories in their original order
-([] for a dropped group); `stats` holds ints that can be summed over groups:
-dropped_all_equal (0/1), short_group (0/1), n_pos and n_neg (kept counts).
-A rollout is positive when its reward is > 0.
+Every down-sampler of DOWNSAMPLERS is fn(group, group_size, rng, **settings), `rng` a
+`random.Random`, and ignores the settings it does not use. It returns `(kept, stats)`: `kept` is
+the kept trajectories in their original order ([] for a dropped group); `stats` holds ints that
+can be summed over groups: dropped_all_equal (0/1), short_group (0/1), n_pos and n_neg (kept
+counts). A rollout is positive when its reward (what the gradient sees) is > 0.
 """
+import math
 import random
 
 import torch
@@ -82,6 +96,25 @@ def total_penalty(traj: Trajectory) -> float:
 
 
 # -----------------------------------------------------------------------------
+# (9)-(10) rollouts that leave the pool before down-sampling
+
+def drop_sandbox_failures(group: list[Trajectory], group_size: int):
+    """(9) The group without its sandbox-failed rollouts, or [] when fewer than G would remain
+    (a group short from the start, with no failure, is left to (4)). Returns (kept, n_failed)."""
+    kept = [t for t in group if not t.sandbox_failed]
+    n_failed = len(group) - len(kept)
+    if n_failed and len(kept) < group_size:
+        return [], n_failed
+    return kept, n_failed
+
+
+def filter_void_turns(group: list[Trajectory]):
+    """(10) The group without rollouts that have a void turn. Returns (kept, n_void)."""
+    kept = [t for t in group if t.void_turns == 0]
+    return kept, len(group) - len(kept)
+
+
+# -----------------------------------------------------------------------------
 # (2)-(5) down-sampling 2G rollouts of one problem to G
 
 def _stats(dropped=0, short=0, kept=()):
@@ -108,6 +141,8 @@ def _weighted_sample(items, weights, k, rng):
 def _prefilter(group, group_size):
     """(2) and the short-group rule, shared by both down-samplers.
     Returns (kept, stats) when the decision is already made, else None."""
+    if not group:
+        return [], _stats()                                # emptied by (9) or (10): not all-equal
     if len({t.reward for t in group}) <= 1:
         return [], _stats(dropped=1)                       # (2)
     if len(group) <= group_size:
@@ -121,7 +156,7 @@ def _in_order(group, chosen):
 
 
 def resample_on_correct(group: list[Trajectory], group_size: int,
-                        rng: random.Random, eps: float = PENALTY_EPS):
+                        rng: random.Random, eps: float = PENALTY_EPS, **settings):
     """GRPO-RoC down-sampling of one problem's rollouts to `group_size`."""
     decided = _prefilter(group, group_size)
     if decided is not None:
@@ -139,13 +174,16 @@ def resample_on_correct(group: list[Trajectory], group_size: int,
 
 
 def downsample_uniform(group: list[Trajectory], group_size: int,
-                       rng: random.Random):
+                       rng: random.Random, **settings):
     """(5) The no-RoC ablation: same all-equal drop, then G uniformly."""
     decided = _prefilter(group, group_size)
     if decided is not None:
         return decided
     kept = _in_order(group, rng.sample(list(group), group_size))
     return kept, _stats(kept=kept)
+
+
+DOWNSAMPLERS = {"roc": resample_on_correct, "uniform": downsample_uniform}
 
 
 # -----------------------------------------------------------------------------
@@ -174,7 +212,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
     clip_frac_low (A < 0 and ratio < 1 - eps_low: clipped, no gradient),
     clip_frac_high (A > 0 and ratio > 1 + eps_high), ratio_mean, and approx_kl
     (k3 estimate of KL(old || new): ratio - 1 - log ratio). token_weights (B, T),
-    optional, scale each token's term (train.py's truncated importance sampling).
+    optional, scale each token's term (mismatch_correction's weights, (11)).
     """
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
@@ -201,3 +239,53 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
             "approx_kl": (k3 * loss_mask).sum().item() / n,
         }
     return loss, metrics
+
+
+# -----------------------------------------------------------------------------
+# (11) the sampler/trainer mismatch
+
+MISMATCH_MODES = ("none", "tis", "mask", "seq-mask")
+
+
+def mismatch_correction(trainer_logp, sampler_logp, loss_mask, n_loss_tokens, mode, threshold):
+    """(11) Token weights and loss mask for policy_loss. trainer_logp, sampler_logp, loss_mask: (B, T);
+    positions where loss_mask is 0 never count. Returns (token_weights, loss_mask, metrics):
+    token_weights (B, T), None for "none" and "seq-mask"; loss_mask, also 0 on masked tokens; metrics
+    that add over micro-batches and ranks: masked_frac (masked / n_loss_tokens, like (8)) and ess_sum_w,
+    ess_sum_w2, ess_n (the kept tokens' weights, or plain r without weights: effective_sample_size)."""
+    if mode not in MISMATCH_MODES:
+        raise ValueError(f"unknown mismatch correction {mode!r}\n---> HINT: use one of {MISMATCH_MODES}")
+    if mode != "none" and not threshold > 1.0:
+        raise ValueError(f"mismatch threshold {threshold} must be > 1 (the band is [1/C, C])\n"
+                         "---> HINT: e.g. 2 for tis and mask, 1.001 for seq-mask")
+    mask = loss_mask.to(torch.bool)                                                     # (B, T)
+    diff = trainer_logp.detach().double() - sampler_logp.detach().double()              # (B, T)
+    log_ratio = torch.where(mask, diff, torch.zeros_like(diff))  # off the mask r = 1: no inf, no nan
+    keep = mask                                                                         # (B, T)
+    if mode == "mask":
+        keep = mask & (log_ratio.abs() <= math.log(threshold))                          # (B, T)
+    elif mode == "seq-mask":
+        seq_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)                     # (B,) log geo-mean
+        keep = mask & (seq_log_ratio.abs() <= math.log(threshold)).unsqueeze(1)         # (B, T)
+    w = torch.exp(log_ratio)                                                            # (B, T)
+    if mode == "tis":
+        w = w.clamp(max=threshold)                                                      # (B, T)
+    w = torch.where(keep, w, torch.zeros_like(w))                                       # (B, T)
+    weights = w.to(trainer_logp.dtype) if mode in ("tis", "mask") else None             # (B, T)
+    metrics = {
+        "masked_frac": (mask & ~keep).sum().item() / float(n_loss_tokens),
+        "ess_sum_w": w.sum().item(),
+        "ess_sum_w2": (w * w).sum().item(),
+        "ess_n": float(keep.sum().item()),
+    }
+    return weights, loss_mask * keep, metrics
+
+
+def effective_sample_size(sum_w, sum_w2, n) -> float:
+    """(11) (sum w)^2 / (n sum w^2) in (0, 1]: 1 for equal weights, 1/n when one dominates. A common
+    scale cancels: sums over micro-batches and ranks, or their means over steps, give the same."""
+    if n <= 0:
+        return 1.0          # no token kept: nothing to weigh
+    if sum_w2 <= 0:
+        return 0.0          # every weight underflowed to 0
+    return sum_w * sum_w / (n * sum_w2)

@@ -5,14 +5,23 @@ import random
 import pytest
 import torch
 
-from grpo_roc import (PENALTY_EPS, downsample_uniform, format_penalty, group_advantages,
-                      policy_loss, resample_on_correct, tool_error_penalty)
+from grpo_roc import (DOWNSAMPLERS, PENALTY_EPS, downsample_uniform, drop_sandbox_failures,
+                      effective_sample_size, filter_void_turns, format_penalty, group_advantages,
+                      mismatch_correction, policy_loss, resample_on_correct, tool_error_penalty)
 from rollout import Trajectory
 
 
-def traj(reward, calls=1, failures=None, answers=1, turns=2, index=0):
-    return Trajectory(index=index, prompt_ids=[1], reward=float(reward), tool_calls=calls,
-                      tool_failures=dict(failures or {}), num_answers=answers, num_turns=turns)
+def traj(reward, calls=1, failures=None, answers=1, turns=2, index=0, void_turns=0, sandbox_failed=False):
+    t = Trajectory(index=index, prompt_ids=[1], reward=float(reward), tool_calls=calls,
+                   tool_failures=dict(failures or {}), num_answers=answers, num_turns=turns)
+    t.void_turns = void_turns            # set on the instance: the fields grading and the turn logic fill
+    t.sandbox_failed = sandbox_failed
+    return t
+
+
+def ids(trajs):
+    """Identities: Trajectory is a dataclass, so == compares field values, not rollouts."""
+    return [id(t) for t in trajs]
 
 
 def group_of(n_pos, n_neg):
@@ -46,7 +55,7 @@ def test_format_penalty_golden_values():
 
 # ----------------------------------------------------------------------------- down-sampling
 
-@pytest.mark.parametrize("sampler", [resample_on_correct, downsample_uniform])
+@pytest.mark.parametrize("sampler", DOWNSAMPLERS.values())
 @pytest.mark.parametrize("reward", [0, 1])
 def test_all_equal_groups_are_dropped(sampler, reward):
     kept, stats = sampler([traj(reward) for _ in range(8)], 4, random.Random(0))
@@ -76,7 +85,7 @@ def test_one_negative_and_one_positive_groups_keep_one_of_each():
 
 def test_short_group_is_kept_whole_and_flagged():
     group = group_of(1, 2)
-    for sampler in (resample_on_correct, downsample_uniform):
+    for sampler in DOWNSAMPLERS.values():
         kept, stats = sampler(group, 4, random.Random(0))
         assert kept == group and stats["short_group"] == 1, "short group not kept whole / flagged"
 
@@ -127,11 +136,30 @@ def test_downsample_uniform_keeps_g_uniformly():
         kept, stats = downsample_uniform(group, 4, rng)
         assert len(kept) == 4 and stats["n_pos"] + stats["n_neg"] == 4
         assert set(stats) == {"dropped_all_equal", "short_group", "n_pos", "n_neg"}, \
-            "ablation stats differ from RoC's; train.py cannot switch with --no-roc"
+            "ablation stats differ from RoC's; train.py cannot switch with --downsample"
         for t in kept:
             hits[id(t)] += 1
     for t in group:
         assert abs(hits[id(t)] / n - 0.5) < 5 * math.sqrt(0.25 / n), "uniform ablation is biased"
+
+
+def test_every_downsampler_takes_the_registry_signature():
+    assert set(DOWNSAMPLERS) == {"roc", "uniform"}
+    group = group_of(3, 5)
+    for name, sampler in DOWNSAMPLERS.items():
+        kept, stats = sampler(group, 4, random.Random(0), eps=PENALTY_EPS, setting_of_another_arm=1)
+        assert len(kept) == 4, f"{name} did not keep G with extra settings"
+        assert set(stats) == {"dropped_all_equal", "short_group", "n_pos", "n_neg"}, name
+
+
+def test_roc_eps_setting_reaches_the_weights():
+    flawless, sloppy = traj(1, calls=2), traj(1, calls=0, answers=0)   # p_total 0 and 1.5
+    group = [flawless, sloppy, traj(0), traj(0)]
+    n = 400
+    for eps, lo, hi in [(PENALTY_EPS, 0.99, 1.0), (1e6, 0.35, 0.65)]:
+        hits = sum(id(flawless) in ids(resample_on_correct(group, 2, random.Random(i), eps=eps)[0])
+                   for i in range(n))
+        assert lo <= hits / n <= hi, f"eps={eps}: flawless kept {hits / n:.2f}, eps not used"
 
 
 def test_seeded_rng_is_reproducible():
@@ -230,3 +258,151 @@ def test_masked_padding_cannot_poison_the_loss():
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all(), "inf * 0 = nan leaked"
     assert math.isfinite(m["approx_kl"])
+
+
+# ----------------------------------------------------------------------------- sandbox failures, void turns
+
+def test_sandbox_failed_rollouts_leave_and_are_never_negatives():
+    failed = traj(0, sandbox_failed=True)          # grading never completed: reward left at 0
+    group = [traj(1) for _ in range(7)] + [failed]
+    kept, n_failed = drop_sandbox_failures(group, 4)
+    assert n_failed == 1 and ids(kept) == ids(group[:7])
+    kept, stats = resample_on_correct(kept, 4, random.Random(0))
+    assert kept == [] and stats["dropped_all_equal"] == 1, \
+        "the failed rollout's reward 0 counted as the model's mistake"
+
+
+def test_sandbox_failures_drop_the_group_only_below_g():
+    group = group_of(3, 3) + [traj(1, sandbox_failed=True), traj(0, sandbox_failed=True)]
+    kept, n_failed = drop_sandbox_failures(group, 6)
+    assert ids(kept) == ids(group[:6]) and n_failed == 2, "a group with G survivors must keep them all"
+    kept, n_failed = drop_sandbox_failures(group, 7)
+    assert kept == [] and n_failed == 2, "a group left with fewer than G survivors was kept"
+    short = group_of(1, 2)
+    kept, n_failed = drop_sandbox_failures(short, 4)
+    assert ids(kept) == ids(short) and n_failed == 0, "a short group without failures was dropped"
+
+
+def test_void_turn_filter_runs_before_downsampling():
+    clean = [traj(1), traj(1), traj(1), traj(0), traj(0)]
+    void = [traj(0, void_turns=1), traj(0, void_turns=2), traj(1, void_turns=1)]
+    group = [void[0], clean[0], void[1], clean[1], clean[2], void[2], clean[3], clean[4]]
+    kept, n_void = filter_void_turns(group)
+    assert n_void == 3 and ids(kept) == ids(clean), "void rollouts kept or clean ones lost / reordered"
+    for sampler in DOWNSAMPLERS.values():
+        final, stats = sampler(kept, 4, random.Random(0))
+        assert len(final) == 4 and not set(ids(final)) & set(ids(void)), "G not filled from clean rollouts"
+    only_pos, _ = filter_void_turns([traj(1), traj(1), traj(0, void_turns=1)])
+    kept, stats = resample_on_correct(only_pos, 2, random.Random(0))
+    assert kept == [] and stats["dropped_all_equal"] == 1, "clean rollouts all equal: no gradient"
+
+
+def test_emptied_group_is_not_counted_as_all_equal():
+    kept, n_void = filter_void_turns([traj(0, void_turns=1), traj(1, void_turns=1)])
+    assert kept == [] and n_void == 2
+    for sampler in DOWNSAMPLERS.values():
+        assert sampler(kept, 4, random.Random(0)) == ([], {"dropped_all_equal": 0, "short_group": 0,
+                                                           "n_pos": 0, "n_neg": 0})
+
+
+# ----------------------------------------------------------------------------- mismatch corrections
+
+def logps(rows, pad_trainer=1e4, base=-1.0):
+    """(trainer_logp, sampler_logp, loss_mask), float64 (B, 4): row b holds the log-ratios log r of its
+    loss tokens, then padding. The sampler's log-prob is `base` (0 where a test needs exact band edges),
+    the trainer's base + log r, and pad_trainer on padding."""
+    T = 4
+    trainer = torch.full((len(rows), T), pad_trainer, dtype=torch.float64)
+    sampler = torch.full((len(rows), T), base, dtype=torch.float64)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, row in enumerate(rows):
+        for t, log_r in enumerate(row):
+            trainer[b, t], mask[b, t] = base + log_r, 1
+    return trainer, sampler, mask
+
+
+L2 = math.log(2.0)
+
+
+def test_tis_truncates_above_the_cap():
+    trainer, sampler, mask = logps([[-L2, 0.0, math.log(3.0)], [2 * L2, -2 * L2]])   # r: .5 1 3 | 4 .25
+    w, new_mask, m = mismatch_correction(trainer, sampler, mask, 5, "tis", 2.0)
+    want = torch.tensor([[0.5, 1, 2, 0], [2, 0.25, 0, 0]], dtype=torch.float64)
+    assert torch.allclose(w, want), f"{w} != min(r, 2) on loss tokens"
+    assert torch.equal(new_mask, mask) and m["masked_frac"] == 0.0, "tis must not mask tokens"
+    assert m["ess_sum_w"] == pytest.approx(5.75) and m["ess_sum_w2"] == pytest.approx(9.3125)
+    assert m["ess_n"] == 5.0
+    assert effective_sample_size(m["ess_sum_w"], m["ess_sum_w2"], m["ess_n"]) == \
+        pytest.approx(5.75 ** 2 / (5 * 9.3125))
+
+
+def test_mask_drops_tokens_outside_the_band_keeps_the_edge():
+    trainer, sampler, mask = logps([[-L2, 0.0, math.log(3.0)], [L2, -2 * L2]], base=0.0)  # r: .5 1 3 | 2 .25
+    w, new_mask, m = mismatch_correction(trainer, sampler, mask, 10, "mask", 2.0)
+    assert torch.equal(new_mask, torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])), \
+        "band [1/2, 2]: r = 3 and 1/4 must go, r = 1/2 and 2 (the edges) stay"
+    want = torch.tensor([[0.5, 1, 0, 0], [2, 0, 0, 0]], dtype=torch.float64)
+    assert torch.allclose(w, want), "kept tokens must be weighted by r (masked importance sampling)"
+    assert m["masked_frac"] == pytest.approx(2 / 10), "masked_frac not normalised by n_loss_tokens"
+    assert (m["ess_sum_w"], m["ess_sum_w2"], m["ess_n"]) == pytest.approx((3.5, 5.25, 3.0))
+
+
+@pytest.mark.parametrize("mode", ["mask", "seq-mask"])
+@pytest.mark.parametrize("log_r, kept", [(L2, True), (-L2, True), (L2 + 1e-9, False), (-L2 - 1e-9, False)])
+def test_band_edges(mode, log_r, kept):
+    trainer, sampler, mask = logps([[log_r, log_r]], base=0.0)
+    _, new_mask, m = mismatch_correction(trainer, sampler, mask, 2, mode, 2.0)
+    assert torch.equal(new_mask, mask * kept), f"r = exp({log_r}) with C = 2: kept should be {kept}"
+    assert m["masked_frac"] == (0.0 if kept else 1.0)
+
+
+def test_seq_mask_judges_the_geometric_mean_over_loss_tokens_only():
+    rows = [[2 * L2, -2 * L2, 0.0],     # r 4, 1/4, 1: geometric mean 1 -> kept
+            [2 * L2],                   # geometric mean 4 -> out (a mean over padding too would keep it)
+            [L2, L2]]                   # geometric mean 2: the edge -> kept
+    trainer, sampler, mask = logps(rows, base=0.0)
+    w, new_mask, m = mismatch_correction(trainer, sampler, mask, 6, "seq-mask", 2.0)
+    assert w is None, "seq-mask rejects; it must not weight the rollouts it keeps"
+    assert torch.equal(new_mask, torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]]))
+    assert m["masked_frac"] == pytest.approx(1 / 6)
+    assert (m["ess_sum_w"], m["ess_sum_w2"], m["ess_n"]) == pytest.approx((9.25, 25.0625, 5.0))
+
+
+def test_none_changes_nothing_and_reports_the_raw_ratios():
+    trainer, sampler, mask = logps([[-L2, L2, 0.0]])
+    w, new_mask, m = mismatch_correction(trainer, sampler, mask, 3, "none", 0.0)
+    assert w is None and torch.equal(new_mask, mask) and m["masked_frac"] == 0.0
+    assert (m["ess_sum_w"], m["ess_sum_w2"], m["ess_n"]) == pytest.approx((3.5, 5.25, 3.0))
+
+
+@pytest.mark.parametrize("mode", ["none", "tis", "mask", "seq-mask"])
+def test_padding_never_affects_the_correction(mode):
+    rows = [[-L2, 0.0, math.log(3.0)], [2 * L2]]
+    tame = mismatch_correction(*logps(rows, pad_trainer=0.0), 4, mode, 2.0)
+    wild = mismatch_correction(*logps(rows, pad_trainer=1e4), 4, mode, 2.0)   # exp(1e4) = inf
+    assert tame[2] == wild[2] and torch.equal(tame[1], wild[1]), "padding changed the mask or metrics"
+    if tame[0] is not None:
+        assert torch.equal(tame[0], wild[0]) and torch.isfinite(wild[0]).all(), "padding leaked into weights"
+
+
+def test_masked_tokens_get_no_gradient_but_stay_in_the_denominator():
+    trainer, sampler, mask = logps([[-L2, 0.0, math.log(3.0)]], base=0.0)               # r: .5 1 3
+    w, new_mask, _ = mismatch_correction(trainer, sampler, mask, 3, "mask", 2.0)
+    logp = trainer.clone().requires_grad_()
+    loss, _ = policy_loss(logp, trainer, torch.tensor([1.0], dtype=torch.float64), new_mask, 3,
+                          token_weights=w)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(0.5 + 1.0) / 3), "denominator must stay n_loss_tokens = 3"
+    assert logp.grad[0, 2] == 0.0 and logp.grad[0, 0] != 0.0, "a masked token got gradient"
+
+
+@pytest.mark.parametrize("mode, threshold", [("icepop", 2.0), ("mask", 1.0), ("tis", 0.5)])
+def test_bad_settings_say_what_to_do(mode, threshold):
+    with pytest.raises(ValueError, match="HINT"):
+        mismatch_correction(*logps([[0.0]]), 1, mode, threshold)
+
+
+def test_effective_sample_size_bounds():
+    assert effective_sample_size(4.0, 4.0, 4) == 1.0, "equal weights must give ESS 1"
+    assert effective_sample_size(1.0, 1.0, 4) == 0.25, "one nonzero weight of 4 must give 1/4"
+    assert effective_sample_size(0.0, 0.0, 0) == 1.0
