@@ -1,29 +1,104 @@
-"""The memory plan of one GPU through an RL step, computed from the model's config and the run's settings.
+"""The memory plan of one GPU (and of a node's host memory) through an RL step, from the model's config.
 
-A step cycles through three phases on every GPU (engine.py, train.py):
-1. Rollout: the vLLM engine awake (its bf16 weights, its own buffers, the KV cache) beside the
-   trainer's resident state (fp32 weight shards and the two AdamW moments: 12 bytes per parameter,
-   sharded over the ranks; gradients are freed after each step).
-2. Training: the engine asleep (weights in host memory, KV cache freed). The trainer holds weights,
-   gradients and moments (16 bytes per parameter, sharded); the root's embeddings and head stay
-   gathered in bf16 through forward and backward and are reduced in fp32; two decoder layers are
-   gathered at a time; activations are checkpointed per layer (each layer's input kept, one layer
-   recomputed); the log-probs run over chunks of positions (training.token_logprobs).
-3. Weight sync: the engine's weights woken, one parameter gathered in fp32 and converted at a time.
-Every phase also pays the CUDA context and NCCL's buffers. The engine's share of the GPU
-(vLLM's gpu_memory_utilization) is what the trainer leaves during the rollout, less a margin;
-the KV cache is that share less the engine's weights and buffers; a rollout at its longest
-holds prompt + response tokens of it, which says how many fit at once in the worst case (the
-scheduler admits by what rollouts hold, so more run while they are short).
-These are estimates from parameter counts, not measurements: the README's first-GPU-run checklist
-says how to check them.
+Every GPU runs one FSDP2 trainer rank and one vLLM engine (engine.py, training.py, train.py). The plan
+adds up, phase by phase, what each holds; P is the parameter count, N the number of GPUs, T the tokens
+of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
+
+1. Resume (--resume, --init-from): the checkpoint loads before the engine takes its share (or with
+   it asleep). torch's get_optimizer_state_dict first materialises the optimizer state with zero
+   gradients and one AdamW step (torch/distributed/checkpoint/state_dict.py _init_optim_state): fp32
+   weights, gradients, two moments and the step's temporary, 20P/N. At start-up rank 0 moves each
+   full module to its GPU as FSDP2 shards it (training.load_sharded_model).
+2. Rollout: the engine awake inside its share of the GPU (vLLM's gpu_memory_utilization): bf16
+   weights (2P), CUDA graphs, its persistent buffers, the profile's transient peak (a forward of
+   max_num_batched_tokens, a sampler pass of max_num_seqs x V in fp32) and the KV cache, which is
+   what the share leaves. Beside it the trainer's fp32 weights and AdamW moments (12P/N), unless
+   they are offloaded to pinned host memory (6. below), which leaves the engine 12P/N more.
+3. Training (forward and backward, engine asleep: only its buffers outside the sleep pools stay):
+   weights, gradients, moments (16P/N); the root (embeddings, head) gathered in bf16 through forward
+   and backward; two decoder layers gathered; each layer's input kept (activation checkpointing),
+   the padding mask. The peak is the largest of three moments of the backward:
+   a. the log-prob chunks (training.token_logprobs): the final hidden states and norm, one chunk's
+      fp32 logits and their gradients, the head's bf16 gradient and each chunk's temporary for it;
+   b. a decoder layer: its activations recomputed and their gradients, its bf16 gradients and their
+      fp32 copy for the reduce-scatter (FSDP2 reduces in fp32);
+   c. the root's reduce at the end: its bf16 gradients and their fp32 copy.
+4. Optimizer step: weights, gradients, moments and foreach AdamW's temporary (sqrt of the second
+   moment over every parameter at once): 20P/N.
+5. Weight sync (engine.sync_weights): the engine's weights and CUDA graphs woken, not its KV cache,
+   beside the trainer's 12P/N; vLLM's layerwise reload keeps each incoming bf16 tensor of a module
+   until the module is complete, then builds the module on the GPU and copies it into the woken
+   weights, while the trainer holds the last tensor's fp32 gather: 2 x module + 2 x module + 4 x its
+   last tensor, largest for the embeddings or the head (8 bytes x V x h).
+Every phase also pays the CUDA context and NCCL's buffers, and keeps a margin free.
+6. Offload (offload_trainer): the trainer's fp32 shards and moments (12P/N) go to pinned host memory
+   after the sync (and checkpoint, export) and come back after the engine sleeps: 24P/N bytes per
+   step per GPU over PCIe. "auto" offloads when that at least doubles the rollouts the engine holds
+   at their longest, or when nothing fits without it. The engine must start after the offload: vLLM
+   asks for its share of the GPU free at start-up.
+7. Host memory of the busiest node (node 0): the sleeping engines' pinned weights and CUDA graphs,
+   the offloaded trainer state, the whole batch of trajectories on every rank (and its pickled copy
+   during the gather), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
+   workers, each rank's process. (Rank 0 reads the model, 4P, at start-up, before any of these; a
+   sandbox call may use up to its memory cap, 1 GiB, while it runs: not counted.)
+The engine's share goes to vLLM as gpu_memory_utilization (memory_fraction), not as the KV cache's
+bytes (kv_cache_memory_bytes): vLLM then measures its own weights, buffers, transient peak and CUDA
+graphs and sizes the KV cache to fit the share, so an estimate here that is too small shrinks the
+KV cache instead of overrunning the GPU; with kv_cache_memory_bytes vLLM skips that subtraction.
+These are estimates from parameter counts and read sources, not measurements: the README's first GPU
+run checklist says how to check them. The sources named are vLLM 0.32's and torch 2.13's.
 """
 from dataclasses import dataclass
 
 GiB = 2**30
-CONTEXT = 4 * GiB        # CUDA context, NCCL buffers, allocator slack
-ENGINE_BUFFERS = 2 * GiB  # vLLM's activations for a batch of tokens, sampler, CUDA graphs
-MARGIN = 3 * GiB         # kept free in every phase: fragmentation, what the estimates miss
+MiB = 2**20
+CONTEXT = 4 * GiB         # CUDA context, NCCL's buffers (the trainer's, the engine's), allocator slack
+MARGIN = 3 * GiB          # kept free in every phase: fragmentation, what the estimates miss
+GPUS_PER_NODE = 8
+
+# ---- the engine (vLLM 0.32) ----
+# vllm/v1/worker/gpu_worker.py determine_available_memory: KV cache = gpu_memory_utilization x total
+#   - (what the engine allocated since its start-up snapshot: weights, buffers) - (the profile's
+#   transient peak) - (the CUDA graphs' estimate, subtracted by default:
+#   VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1 in vllm/envs.py). vllm/v1/worker/utils.py request_memory
+#   also requires utilization x total <= the free memory when the engine starts.
+CUDA_GRAPHS = 1 * GiB     # an estimate of the graph pool: vLLM measures it (gpu_model_runner.py
+#   profile_cudagraph_memory) for the capture sizes of config/vllm.py (1, 2, 4, 8..248 by 8,
+#   256..512 by 16), and logs "CUDA graph pool memory: ... (actual), ... (estimated)"
+ENGINE_BUFFERS = GiB // 2  # the runner's other persistent buffers, block tables, attention metadata,
+#   non-torch allocations (cuBLAS, Triton): an estimate
+# engine/arg_utils.py get_batch_defaults, the LLM class: (max_num_batched_tokens, max_num_seqs); GPUs
+# of 70 GiB and more (but A100s: 8192 and 256, which the plan then overcounts) get the larger pair
+VLLM_BATCH_LARGE_GPU = (16384, 1024)
+VLLM_BATCH_SMALL_GPU = (8192, 256)
+# gpu_model_runner.py _dummy_sampler_run: max_num_seqs rows of logits through the sampler in the
+# profile; with logprobs_mode="processed_logprobs" (engine.py) the CUDA sampler is the PyTorch one
+# (v1/sample/ops/topk_topp_sampler.py forward_native): the bf16 logits the caller keeps (2), their
+# fp32 copy (4), the processed log-probs (4), the probabilities (4), random_sample's noise (4)
+SAMPLER_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 4
+SAMPLER_TRITON_ROWS = 304  # v1/sample/ops/topk_topp_triton.py caches a (rows, V) fp32 buffer, rows at most
+#   the GPU's SMs: 132 on an H100, 304 CUs on an MI300X (the larger counted)
+
+# ---- the trainer (torch 2.13) ----
+# a decoder layer's activations per token in bf16 (fp32 where the RMSNorms upcast), recomputed in its
+# backward: see Shape.layer_activation_bytes
+LOGIT_BYTES_TRAINING = 16  # a log-prob chunk's backward per logit: the fp32 logits the log-sum-exp keeps,
+#   the gradients of the gather and of the log-sum-exp, their sum (training._chunk_logprobs)
+FINAL_HIDDEN_BYTES = 12    # per token and hidden unit: the last layer's output (2), the final norm's fp32
+#   input (4) and bf16 product (2) kept for its backward, its output (2), the positions' (N, h) copy (2)
+MASK_BYTES = 3             # transformers' sdpa mask when a micro-batch is padded: (B, 1, T, T) bool, and
+#   torch's float copy of it for the memory-efficient kernel (2)
+
+# ---- offload and host memory ----
+HOST_LINK_BYTES_PER_S = 25e9  # an assumed effective pinned host<->GPU copy rate per GPU (PCIe Gen5 x16
+#   is 64 GB/s a direction in theory, Gen4 32; GPUs behind one switch share it)
+OFFLOAD_GAIN = 2.0         # offload_trainer="auto" offloads when it multiplies rollouts at once by this
+TRAJECTORY_BYTES = 90      # per token of a rollout.Trajectory: a token id (a list slot and an int object),
+#   its log-prob (a slot and a float), its loss-mask slot, the text (measured with tracemalloc)
+PICKLED_BYTES = 20         # per token while scheduler.ProblemQueue.gather pickles the batch (measured)
+SANDBOX_SLOT = (101 + 17) * MiB  # a slot's "full" and "light" workers (sandbox.py), RSS measured on a CPU;
+#   a running call may add up to its memory_mb (1 GiB by default), not counted
+PROCESS_HOST = 5 * GiB     # a rank's process: Python, torch, CUDA and NCCL libraries, vLLM: an estimate
 
 # The architectures of the README's table (the hub's config.json values), so it needs no download.
 KNOWN = {
@@ -65,9 +140,17 @@ class Shape:
                    tied=bool(get("tie_word_embeddings", False)))
 
     @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
     def layer_params(self) -> int:
-        queries_and_output = 2 * self.hidden * self.heads * self.head_dim
-        keys_and_values = 2 * self.hidden * self.kv_heads * self.head_dim
+        queries_and_output = 2 * self.hidden * self.q_width
+        keys_and_values = 2 * self.hidden * self.kv_width
         return queries_and_output + keys_and_values + 3 * self.hidden * self.mlp + 2 * self.hidden
 
     @property
@@ -84,83 +167,272 @@ class Shape:
         """Keys and values of every layer, bf16."""
         return 2 * self.layers * self.kv_heads * self.head_dim * 2
 
+    @property
+    def layer_activation_bytes(self) -> int:
+        """Bytes per token of one decoder layer in its backward: what the recomputed forward keeps
+        (HF's Qwen3 layer; Qwen2.5 has no q/k norms, a few % over) and the gradients beside it.
+        Per hidden unit 30: two RMSNorms (fp32 input 4, bf16 product 2, output 2), the outputs of
+        o_proj and down_proj and the two residual sums (2 each), gradients of the residual stream (6).
+        Per query unit 18: q (2), its norm (8), rotary's rotated copy and result (4), attention's
+        output and o_proj's input (4). Per key/value unit 16: k and v (4), k's norm (8), rotary (4).
+        Per MLP unit 12: gate, up, their activation and product (8), two of their gradients (4)."""
+        return 30 * self.hidden + 18 * self.q_width + 16 * self.kv_width + 12 * self.mlp
+
+    @property
+    def reload_peak_bytes(self) -> int:
+        """The weight sync's transient (vllm/model_executor/model_loader/reload/layerwise.py): the
+        online loader buffers each incoming bf16 tensor of a vLLM module until the module's count is
+        complete, then _layerwise_process materialises the module on the GPU (materialize_layer),
+        loads the buffered tensors into it and copies it into the woken weights. While it does, the
+        trainer holds the fp32 gather of the tensor that completed it (training.full_weights deletes
+        it when asked for the next): 2 x module + 2 x module + 4 x last tensor, for each module kind
+        of a Qwen/Llama model (qkv_proj from q, k, v; gate_up_proj from gate, up; single tensors)."""
+        h = self.hidden
+        embeddings = self.vocab * h                                   # the embeddings, and the head
+        qkv = h * (self.q_width + 2 * self.kv_width)
+        gate_up = 2 * h * self.mlp
+        modules = [(embeddings, embeddings), (qkv, h * self.kv_width), (gate_up, h * self.mlp),
+                   (h * self.q_width, h * self.q_width), (h * self.mlp, h * self.mlp)]
+        return max(4 * size + 4 * last for size, last in modules)
+
+
+def vllm_batch(gpu_gib: float) -> tuple[int, int]:
+    """vLLM 0.32's defaults for the LLM class on this GPU: (max_num_batched_tokens, max_num_seqs)."""
+    return VLLM_BATCH_LARGE_GPU if gpu_gib >= 70 else VLLM_BATCH_SMALL_GPU
+
 
 @dataclass
 class Plan:
-    """Bytes per GPU in each phase, and what they leave for rollouts."""
+    """Bytes per GPU in each phase (each a dict of named terms), the engine's share and KV cache,
+    the offload decision, and the host memory of the busiest node."""
     params: int
-    trainer_resident: int   # 12P/N: fp32 shards and AdamW moments, during rollout and sync
-    engine_weights: int     # 2P: the engine's bf16 copy
-    memory_fraction: float  # the engine's share of the GPU, weights and KV cache included
-    kv_cache: int
-    rollout_tokens: int     # what one rollout reserves: prompt + response
-    rollouts_at_once: int
-    training_peak: int
-    sync_peak: int
-    host: int               # a node's host memory: the asleep engines' weights, rank 0 reading the model
     gpu: int
+    ranks: int
+    rollout_tokens: int     # what one rollout reserves: prompt + response
+    phases: dict            # phase -> {term: bytes}; the phase's peak is their sum
+    host: dict              # term -> bytes, the host memory of node 0
+    memory_fraction: float  # vLLM's gpu_memory_utilization: the engine's share, CUDA graphs included
+    kv_cache: int
+    rollouts_at_once: int
+    offload: bool
+    rollouts_with_offload: dict  # {False: rollouts at once without offloading, True: with}
+    offload_bytes_per_step: int  # host <-> GPU, both directions, per GPU
+    offload_seconds: float       # at HOST_LINK_BYTES_PER_S
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache the plan expects vLLM to size from memory_fraction (what the engine is given:
+        see the module's docstring)."""
+        return self.kv_cache
+
+    @property
+    def peaks(self) -> dict:
+        return {phase: sum(terms.values()) for phase, terms in self.phases.items()}
+
+    @property
+    def rollout_peak(self) -> int:
+        return self.peaks["rollout"]
+
+    @property
+    def training_peak(self) -> int:
+        return self.peaks["training"]
+
+    @property
+    def optimizer_step_peak(self) -> int:
+        return self.peaks["optimizer step"]
+
+    @property
+    def sync_peak(self) -> int:
+        return self.peaks["sync"]
+
+    @property
+    def resume_peak(self) -> int:
+        return self.peaks["resume"]
+
+    @property
+    def host_per_node(self) -> int:
+        return sum(self.host.values())
 
     @property
     def fits(self) -> bool:
-        return self.rollouts_at_once >= 1 and max(self.training_peak, self.sync_peak) <= self.gpu - MARGIN
+        return self.rollouts_at_once >= 1 and max(self.peaks.values()) <= self.gpu - MARGIN
+
+
+def _engine(s: Shape, gpu_gib: float) -> tuple[dict, dict]:
+    """The engine's terms awake (all but its KV cache), and those that stay on the GPU while it sleeps:
+    the buffers it allocates outside vLLM's sleep pools (device_allocator/sleep_mode_backend.py:
+    level 1 backs up the "weights", "runtime" and "cudagraph" pools to host memory, drops the rest)."""
+    batched_tokens, seqs = vllm_batch(gpu_gib)
+    asleep = {"engine: buffers": (batched_tokens * s.hidden * 2            # the runner's inputs_embeds
+                                  + SAMPLER_TRITON_ROWS * s.vocab * 4      # the top-k/top-p buffer
+                                  + ENGINE_BUFFERS)}
+    # the profile (gpu_model_runner.py profile_run): a forward of max_num_batched_tokens (at its MLP:
+    # gate-up output and product, 6 bytes per MLP unit; residual, norm, attention output, layer
+    # output, 8 per hidden unit), then the sampler over max_num_seqs rows with the hidden states kept
+    forward = batched_tokens * (8 * s.hidden + 6 * s.mlp)
+    sampler = seqs * s.vocab * SAMPLER_BYTES_PER_LOGIT + batched_tokens * s.hidden * 2
+    awake = {"engine: bf16 weights": 2 * s.params, "engine: CUDA graphs": CUDA_GRAPHS, **asleep,
+             "engine: profile's transient peak": max(forward, sampler)}
+    return awake, asleep
+
+
+def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int, logprob_chunk: int) -> dict:
+    """The trainer's terms at the worst of the backward's three moments (the module's docstring, 3)."""
+    h, v = s.hidden, s.vocab
+    tokens = max(micro_batch_tokens, rollout_tokens)  # a row over the budget goes alone (plan_micro_batches)
+    always = {"trainer: fp32 weights, gradients, AdamW moments": 16 * s.params // ranks}
+    # FSDP2 does not reshard the root after its forward (fsdp/_fully_shard/_fsdp_state.py)
+    kept = {"root gathered (bf16)": 2 * s.embedding_params,
+            "each layer's input (checkpoints)": 2 * s.layers * tokens * h,
+            "padding mask": MASK_BYTES * micro_batch_tokens * min(micro_batch_tokens, rollout_tokens)}
+    logprob_chunks = {"two layers gathered (bf16)": 2 * 2 * s.layer_params,
+                      "final hidden states and norm": FINAL_HIDDEN_BYTES * tokens * h,
+                      "a log-prob chunk's logits and gradients":
+                          LOGIT_BYTES_TRAINING * min(logprob_chunk, tokens) * v,
+                      "head's bf16 gradient": 2 * v * h,
+                      "a chunk's head-gradient temporary": 2 * v * h}
+    # FSDP2 copies a module's bf16 gradients into one fp32 buffer to reduce-scatter them
+    # (fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce)
+    layer = {"two layers gathered (bf16)": 2 * 2 * s.layer_params,
+             "a layer's bf16 gradients, fp32 reduce copy": (2 + 4) * s.layer_params,
+             "a layer's activations recomputed": tokens * s.layer_activation_bytes,
+             "head's bf16 gradient": 2 * v * h}
+    root_reduce = {"root's bf16 gradients, fp32 reduce copy": (2 + 4) * s.embedding_params}
+    moments = [{**always, **kept, **logprob_chunks}, {**always, **kept, **layer}, {**always, **root_reduce}]
+    return max(moments, key=lambda terms: sum(terms.values()))
+
+
+def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tokens: int, offload: bool,
+            logprob_chunk: int) -> tuple[dict, int]:
+    """Every phase's terms for one offload choice, and the engine's share of the GPU."""
+    p = s.params
+    context = {"CUDA context, NCCL": CONTEXT}
+    engine, engine_asleep = _engine(s, gpu / GiB)
+    trainer_state = {"trainer: fp32 weights, AdamW moments": 12 * p // ranks}
+    # 2. the share is what the trainer and the context leave, less the margin; the KV cache what the
+    # rest of the engine leaves of it
+    share = gpu - MARGIN - CONTEXT - (0 if offload else 12 * p // ranks)
+    kv_cache = {"engine: KV cache": max(0, share - sum(engine.values()))}
+    rollout = {**({} if offload else trainer_state), **context, **engine, **kv_cache}
+    training = {**_training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk), **engine_asleep,
+                **context}
+    # 4. foreach AdamW keeps sqrt(second moment) of every parameter at once (torch/optim/adam.py
+    # _multi_tensor_adam: exp_avg_sq_sqrt), gradients still held
+    step = {"trainer: weights, gradients, moments, AdamW's temporary": 20 * p // ranks, **engine_asleep,
+            **context}
+    # 1. torch/distributed/checkpoint/state_dict.py _init_optim_state: zero gradients and a step with lr 0;
+    # at start-up FSDP2 moves each module of rank 0's model to the GPU whole before sharding it
+    initialised = {"trainer: weights, zero gradients, moments, AdamW's temporary": 20 * p // ranks}
+    loading = {"trainer: fp32 shards": 4 * p // ranks,
+               "a module in full (fp32)": 4 * max(s.embedding_params, s.layer_params)}
+    resume = {**max(initialised, loading, key=lambda terms: sum(terms.values())), **engine_asleep, **context}
+    # 5. the trainer's state is still on the GPU: it offloads after the sync
+    sync = {**trainer_state, "engine: bf16 weights": 2 * p, "engine: CUDA graphs": CUDA_GRAPHS,
+            **engine_asleep, "reload: a module's tensors, its copy, an fp32 gather": s.reload_peak_bytes,
+            **context}
+    phases = {"resume": resume, "rollout": rollout, "training": training, "optimizer step": step,
+              "sync": sync}
+    return phases, share
 
 
 def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_tokens: int,
-         logprob_chunk: int = 1024) -> Plan:
-    """The plan for `ranks` GPUs of `gpu_gib` GiB each, training in bf16 with fp32 master weights."""
+         offload: str = "auto", logprob_chunk: int = 1024, rollouts_per_step: int = 512 * 32,
+         cores_per_node: int = 224) -> Plan:
+    """The plan for `ranks` GPUs of `gpu_gib` GiB each, training in bf16 with fp32 master weights.
+    offload: "on", "off" or "auto" (see the module's docstring, 6). rollouts_per_step: the whole batch
+    every rank holds (the paper's 512 problems x 32); cores_per_node: the hardware threads the sandbox
+    divides (a DGX H100 has 224)."""
+    if offload not in ("auto", "on", "off"):
+        raise ValueError(f"offload={offload!r}\n---> HINT: offload_trainer is one of auto, on, off")
     s = Shape.of(config)
     gpu, p = int(gpu_gib * GiB), s.params
-    trainer_resident = 12 * p // ranks
-    engine_weights = 2 * p
-    engine_share = gpu - trainer_resident - CONTEXT - MARGIN
-    kv_cache = max(0, engine_share - engine_weights - ENGINE_BUFFERS)
-    # training: a row longer than the micro-batch budget goes alone, so a micro-batch can be that long
-    tokens = max(micro_batch_tokens, rollout_tokens)
-    root = 2 * s.embedding_params + 4 * s.embedding_params  # gathered bf16, gradients reduced in fp32
-    layers = 2 * 2 * s.layer_params                         # two layers gathered in bf16 (one prefetched)
-    checkpoints = 2 * s.layers * tokens * s.hidden          # each layer's bf16 input, kept
-    recompute = 2 * tokens * (6 * s.hidden + 4 * s.mlp)     # one layer's activations, recomputed
-    logprobs = 3 * 4 * min(logprob_chunk, tokens) * s.vocab  # a chunk's fp32 logits, softmax and gradient
-    training_peak = 16 * p // ranks + root + layers + checkpoints + recompute + logprobs + CONTEXT
-    largest = max(s.vocab * s.hidden, s.hidden * s.mlp)
-    sync_peak = trainer_resident + engine_weights + 6 * largest + CONTEXT  # one fp32 gather + bf16 copy
-    at_once = kv_cache // (s.kv_bytes_per_token * rollout_tokens)
-    return Plan(params=p, trainer_resident=trainer_resident, engine_weights=engine_weights,
-                memory_fraction=max(0.0, engine_share / gpu), kv_cache=kv_cache,
-                rollout_tokens=rollout_tokens, rollouts_at_once=at_once,
-                training_peak=training_peak, sync_peak=sync_peak, host=2 * p * min(ranks, 8) + 4 * p, gpu=gpu)
+    tried = {}
+    for choice in (False, True):
+        phases, share = _phases(s, ranks, gpu, micro_batch_tokens, rollout_tokens, choice, logprob_chunk)
+        at_once = phases["rollout"]["engine: KV cache"] // (s.kv_bytes_per_token * rollout_tokens)
+        tried[choice] = phases, share, at_once
+    # auto: when offloading at least doubles the rollouts at once. (Offloading changes only the
+    # rollout phase, so when nothing fits without it, no rollout fits: any that fits with it doubles.)
+    without, with_ = tried[False][2], tried[True][2]
+    chosen = offload == "on" or (offload == "auto" and with_ > without and with_ >= OFFLOAD_GAIN * without)
+    phases, share, at_once = tried[chosen]
+
+    # 7. node 0's host memory. The sleeping engines' backups are pinned (device_allocator/cumem.py
+    # sleep), and torch's caching host allocator keeps pinned blocks once freed (torch/accelerator/
+    # memory.py empty_host_cache), so they count all the time; so does the trainer's offload.
+    per_node = min(ranks, GPUS_PER_NODE)
+    whole_batch = rollouts_per_step * rollout_tokens  # tokens, every rollout at its longest
+    slots = per_node * max(1, cores_per_node // per_node - 1)  # sandbox.default_workers on every rank
+    host = {"engines asleep: pinned weights, CUDA graphs": per_node * (2 * p + CUDA_GRAPHS),
+            "trainer offloaded: pinned fp32 weights, moments": per_node * 12 * p // ranks if chosen else 0,
+            "trajectories: the whole batch on every rank":
+                per_node * (whole_batch * (TRAJECTORY_BYTES + PICKLED_BYTES)
+                            + whole_batch * TRAJECTORY_BYTES // ranks),
+            # training.save_hf_checkpoint: get_model_state_dict(cpu_offload=True) keeps it on rank 0 only
+            # (torch/distributed/checkpoint/state_dict.py _maybe_full_or_cpu_state_dict), then .to(bf16)
+            "rank 0's HF export: fp32 state dict, bf16 copy": (4 + 2) * p,
+            "sandbox workers": slots * SANDBOX_SLOT,
+            "processes": per_node * PROCESS_HOST}
+    moved = 2 * 12 * p // ranks if chosen else 0
+    return Plan(params=p, gpu=gpu, ranks=ranks, rollout_tokens=rollout_tokens, phases=phases, host=host,
+                memory_fraction=max(0.0, share / gpu), kv_cache=phases["rollout"]["engine: KV cache"],
+                rollouts_at_once=at_once, offload=chosen,
+                rollouts_with_offload={False: without, True: with_},
+                offload_bytes_per_step=moved, offload_seconds=moved / HOST_LINK_BYTES_PER_S)
+
+
+def _terms(terms: dict, indent: str) -> list[str]:
+    """Terms as 'name 1.2' pieces, wrapped under ~110 characters."""
+    lines, line = [], indent
+    for name, size in terms.items():
+        piece = f"{name} {size / GiB:.1f}"
+        if len(line) + len(piece) > 108 and line.strip():
+            lines.append(line.rstrip(", "))
+            line = indent
+        line += piece + ", "
+    return lines + [line.rstrip(", ")]
 
 
 def describe(p: Plan, ranks: int) -> str:
-    """The plan as the lines train.py --plan prints."""
-    g = lambda n: f"{n / GiB:6.1f} GiB"  # noqa: E731
+    """The plan as the lines train.py --plan prints: every phase with its terms (GiB)."""
+    gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
+    offload = "on" if p.offload else "off"
+    without, with_ = p.rollouts_with_offload[False], p.rollouts_with_offload[True]
     lines = [f"memory plan per GPU ({p.params / 1e9:.1f}B parameters, {ranks} GPUs of {p.gpu / GiB:.0f} GiB; "
-             f"computed from the config, not measured)",
-             f"  rollout:  trainer shards + AdamW {g(p.trainer_resident)}, "
-             f"engine weights {g(p.engine_weights)}, KV cache {g(p.kv_cache)}",
-             f"            engine share (--memory-fraction) {p.memory_fraction:.2f}; a rollout holds up to "
-             f"{p.rollout_tokens} tokens: {p.rollouts_at_once} at once at their longest",
-             f"  training: peak {g(p.training_peak)} (engine asleep)",
-             f"  sync:     peak {g(p.sync_peak)} (engine weights awake, one parameter gathered)",
-             f"  host memory of a node of 8: {g(p.host)} (the engines' weights while asleep, rank 0's load)",
-             f"  fits: {'yes' if p.fits else 'NO'} (a margin of {MARGIN / GiB:.0f} GiB kept free)"]
+             f"computed from the config, not measured; GiB)",
+             f"  engine share (--memory-fraction) {p.memory_fraction:.3f}: KV cache {gib(p.kv_cache)}; "
+             f"a rollout holds up to {p.rollout_tokens} tokens:",
+             f"      {p.rollouts_at_once} at once at their longest",
+             f"  trainer offload: {offload} ({with_} rollouts at once with it, {without} without)"]
+    if p.offload:
+        lines.append(f"      {gib(p.offload_bytes_per_step)} GiB moved per step per GPU (both ways): "
+                     f"{p.offload_seconds:.1f} s at {HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s")
+    for phase, terms in p.phases.items():
+        lines.append(f"  {phase}: peak {gib(sum(terms.values()))}")
+        lines += _terms(terms, "      ")
+    lines.append(f"  host memory of node 0 ({min(ranks, GPUS_PER_NODE)} GPUs): {gib(p.host_per_node)}")
+    lines += _terms(p.host, "      ")
+    lines.append(f"  fits: {'yes' if p.fits else 'NO'} (every phase within {p.gpu / GiB:.0f} GiB less a "
+                 f"{MARGIN / GiB:.0f} GiB margin)")
     return "\n".join(lines)
 
 
 def sizing_table(ranks: int = 8, micro_batch_tokens: int = 8192, rollout_tokens: int = 2048 + 8192) -> str:
-    """The README's table: the KNOWN models on 80 and 192 GiB GPUs, stage 1."""
-    rows = ["| model | parameters | trainer shards + AdamW | engine weights | training peak | KV per token "
-            "| 8 x 80 GiB: KV cache, rollouts at once | 8 x 192 GiB: KV cache, rollouts at once |",
-            "|---|---|---|---|---|---|---|---|"]
+    """The README's table: the KNOWN models on 80 and 192 GiB GPUs, stage 1, offload auto."""
+    rows = ["| model | parameters | KV per token | GPUs | trainer offload | KV cache | rollouts at once "
+            "| peak GiB: resume / training / optimizer step / sync | host per node |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, config in KNOWN.items():
-        cells = []
+        kv_per_token = Shape.of(config).kv_bytes_per_token // 1024
         for gpu in (80, 192):
             p = plan(config, ranks, gpu, micro_batch_tokens, rollout_tokens)
-            cells.append(f"{p.kv_cache / GiB:.0f} GiB, {p.rollouts_at_once}" if p.fits else "does not fit")
-        p = plan(config, ranks, 80, micro_batch_tokens, rollout_tokens)
-        rows.append(f"| {name} | {p.params / 1e9:.1f}B | {p.trainer_resident / GiB:.1f} GiB | "
-                    f"{p.engine_weights / GiB:.1f} GiB | {p.training_peak / GiB:.0f} GiB | "
-                    f"{Shape.of(config).kv_bytes_per_token // 1024} KiB | {cells[0]} | {cells[1]} |")
+            phases = ("resume", "training", "optimizer step", "sync")
+            peaks = " / ".join(f"{p.peaks[phase] / GiB:.0f}" for phase in phases)
+            kv = f"{p.kv_cache / GiB:.0f} GiB" if p.fits else "does not fit"
+            at_once = str(p.rollouts_at_once) if p.fits else ""
+            offload = "on" if p.offload else "off"
+            rows.append(f"| {name} | {p.params / 1e9:.1f}B | {kv_per_token} KiB | {ranks} x {gpu} GiB "
+                        f"| {offload} | {kv} | {at_once} | {peaks} | {p.host_per_node / GiB:.0f} GiB |")
     return "\n".join(rows)
 
 

@@ -3,40 +3,173 @@ import subprocess
 import sys
 from pathlib import Path
 
-from memory_plan import CONTEXT, ENGINE_BUFFERS, GiB, KNOWN, MARGIN, Shape, plan
+import pytest
+
+from memory_plan import (CONTEXT, CUDA_GRAPHS, ENGINE_BUFFERS, HOST_LINK_BYTES_PER_S, KNOWN, MARGIN,
+                         PROCESS_HOST, SANDBOX_SLOT, GiB, Shape, describe, plan)
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = dict(num_hidden_layers=2, hidden_size=4, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=2, vocab_size=10, tie_word_embeddings=False)
+TINY = dict(num_hidden_layers=2, hidden_size=4, intermediate_size=8, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=2, vocab_size=10, tie_word_embeddings=False)
+STAGE1 = dict(ranks=8, gpu_gib=80, micro_batch_tokens=8192, rollout_tokens=2048 + 8192)
 
 
-def test_a_small_config_by_hand():
+def test_the_shape_by_hand():
     # per layer: q and o 2 x 4 x (2 x 2) = 32, k and v 2 x 4 x (1 x 2) = 16, MLP 3 x 4 x 8 = 96, norms 8: 152
     # embeddings and head 2 x 10 x 4 = 80, final norm 4: P = 2 x 152 + 80 + 4 = 388
     s = Shape.of(TINY)
     assert (s.layer_params, s.embedding_params, s.params) == (152, 80, 388)
+    tied = Shape.of(dict(TINY, tie_word_embeddings=True))
+    assert tied.params == 388 - 40, "a tied head is not counted twice"
     assert s.kv_bytes_per_token == 2 * 2 * 1 * 2 * 2  # keys and values, layers, KV heads, head size, bf16
-    assert Shape.of(dict(TINY, tie_word_embeddings=True)).params == 388 - 40, "a tied head is not counted twice"
-    p = plan(TINY, ranks=2, gpu_gib=10, micro_batch_tokens=512, rollout_tokens=1000)
-    assert p.trainer_resident == 12 * 388 // 2 and p.engine_weights == 2 * 388
-    share = 10 * GiB - 2328 - CONTEXT - MARGIN
-    assert p.memory_fraction == share / (10 * GiB)
-    assert p.kv_cache == share - 776 - ENGINE_BUFFERS
-    assert p.rollouts_at_once == p.kv_cache // (16 * 1000)
-    # training: 16P/2 = 3104; root 6 x 80; two layers 4 x 152; micro-batch = the 1000-token rollout:
-    # checkpoints 2 x 2 x 1000 x 4, one layer recomputed 2 x 1000 x (6 x 4 + 4 x 8), log-probs 12 x 1000 x 10
-    assert p.training_peak == 3104 + 480 + 608 + 16_000 + 112_000 + 120_000 + CONTEXT
-    assert p.sync_peak == 2328 + 776 + 6 * max(10 * 4, 4 * 8) + CONTEXT
+    # a layer's activations per token: 30 per hidden unit, 18 per query unit (4), 16 per key/value unit (2),
+    # 12 per MLP unit: 120 + 72 + 32 + 96
+    assert s.layer_activation_bytes == 320
+    # the reload: 4 x module + 4 x its last tensor. Embeddings (40): 160 + 160; qkv (16 + 8 + 8): 128 + 32;
+    # gate_up (32 + 32): 256 + 128 = 384; o_proj (16): 128; down_proj (32): 256. Here gate_up is largest,
+    assert s.reload_peak_bytes == 384
+    # at 14B the embeddings (or the head): 8 bytes x V x h
+    big = Shape.of(KNOWN["Qwen3-14B"])
+    assert big.reload_peak_bytes == 8 * 151936 * 5120
+
+
+def test_every_phase_by_hand():
+    p = plan(TINY, ranks=2, gpu_gib=10, micro_batch_tokens=512, rollout_tokens=1000, offload="off",
+             rollouts_per_step=4, cores_per_node=6)
+    gpu = 10 * GiB
+    # vLLM's defaults under 70 GiB: 8192 batched tokens, 256 sequences. Buffers that stay while it sleeps:
+    # inputs_embeds 8192 x 4 x 2, the Triton sampler buffer 304 x 10 x 4, the rest
+    buffers = 8192 * 4 * 2 + 304 * 10 * 4 + ENGINE_BUFFERS
+    # the profile: a forward of 8192 tokens x (8 x 4 + 6 x 8) = 655,360; the sampler 256 x 10 x 18 + the
+    # hidden states 8192 x 4 x 2 = 111,616: the forward is the peak
+    engine = 2 * 388 + CUDA_GRAPHS + buffers + 655_360
+    share = gpu - MARGIN - CONTEXT - 12 * 388 // 2
+    assert p.phases["rollout"] == {
+        "trainer: fp32 weights, AdamW moments": 2328, "CUDA context, NCCL": CONTEXT,
+        "engine: bf16 weights": 776, "engine: CUDA graphs": CUDA_GRAPHS, "engine: buffers": buffers,
+        "engine: profile's transient peak": 655_360, "engine: KV cache": share - engine}
+    assert p.memory_fraction == share / gpu and p.rollout_peak == gpu - MARGIN
+    assert p.kv_cache == p.kv_cache_bytes == share - engine
+    assert p.rollouts_at_once == (share - engine) // (16 * 1000)
+    # training: the 1000-token rollout is a micro-batch alone. The peak is a layer's backward (1,127,296 +
+    # the rest) over the log-prob chunks' (1,014,464: the final hidden states 12 x 1000 x 4, a chunk
+    # 16 x 1000 x 10, the head's gradient and its temporary 2 x 10 x 4 each, instead of the layer's terms)
+    assert p.phases["training"] == {
+        "trainer: fp32 weights, gradients, AdamW moments": 16 * 388 // 2, "root gathered (bf16)": 2 * 80,
+        "each layer's input (checkpoints)": 2 * 2 * 1000 * 4, "padding mask": 3 * 512 * 512,
+        "two layers gathered (bf16)": 2 * 2 * 152, "a layer's bf16 gradients, fp32 reduce copy": 6 * 152,
+        "a layer's activations recomputed": 1000 * 320, "head's bf16 gradient": 2 * 10 * 4,
+        "engine: buffers": buffers, "CUDA context, NCCL": CONTEXT}
+    assert p.training_peak == 1_127_296 + buffers + CONTEXT
+    assert p.optimizer_step_peak == 20 * 388 // 2 + buffers + CONTEXT
+    # resume: the optimizer state initialised (20P/N = 3880) is more than loading (4P/N + 4 x 152 = 1384)
+    assert p.resume_peak == 3880 + buffers + CONTEXT
+    assert p.sync_peak == 2328 + 776 + CUDA_GRAPHS + buffers + 384 + CONTEXT
+    # host, 2 GPUs on the node: 4 rollouts x 1000 tokens on each rank: 110 bytes a token for the whole
+    # batch (objects and pickled), 90 / 2 for the rank's own share; sandbox: (6 // 2 - 1) slots a rank
+    assert p.host == {"engines asleep: pinned weights, CUDA graphs": 2 * (776 + CUDA_GRAPHS),
+                      "trainer offloaded: pinned fp32 weights, moments": 0,
+                      "trajectories: the whole batch on every rank": 2 * (4000 * 110 + 4000 * 90 // 2),
+                      "rank 0's HF export: fp32 state dict, bf16 copy": 6 * 388,
+                      "sandbox workers": 4 * SANDBOX_SLOT, "processes": 2 * PROCESS_HOST}
+    assert (p.offload, p.offload_bytes_per_step, p.offload_seconds) == (False, 0, 0.0)
     assert p.fits
+
+    on = plan(TINY, ranks=2, gpu_gib=10, micro_batch_tokens=512, rollout_tokens=1000, offload="on",
+              rollouts_per_step=4, cores_per_node=6)
+    assert "trainer: fp32 weights, AdamW moments" not in on.phases["rollout"]
+    assert on.kv_cache == p.kv_cache + 2328 and on.memory_fraction == (share + 2328) / gpu
+    assert on.host["trainer offloaded: pinned fp32 weights, moments"] == 2 * 2328
+    assert on.offload_bytes_per_step == 2 * 2328 and on.offload_seconds == 2 * 2328 / HOST_LINK_BYTES_PER_S
+    assert on.sync_peak == p.sync_peak, "the trainer offloads after the sync"
+
+
+def test_the_other_moments_of_the_backward_and_the_load():
+    # a vocabulary of 1000: a log-prob chunk's 16 x 1000 x 1000 makes the chunks' backward the peak
+    big_vocab = plan(dict(TINY, vocab_size=1000), ranks=2, gpu_gib=10, micro_batch_tokens=512,
+                     rollout_tokens=1000)
+    terms = big_vocab.phases["training"]
+    assert terms["a log-prob chunk's logits and gradients"] == 16 * 1000 * 1000
+    assert terms["final hidden states and norm"] == 12 * 1000 * 4
+    assert terms["head's bf16 gradient"] == terms["a chunk's head-gradient temporary"] == 2 * 1000 * 4
+    assert "a layer's activations recomputed" not in terms
+    # h = 16, V = 1000, 2-token rows: the root's reduce at the end (6 x 32,000) is the peak: the chunks'
+    # moment adds 162,956 (root 64,000, head gradient and temporary 32,000 each, a chunk 16 x 2 x 1000, ...)
+    wide = dict(TINY, hidden_size=16, vocab_size=1000)
+    # P = 2 x (2 x 16 x 4 + 2 x 16 x 2 + 3 x 16 x 8 + 2 x 16) + 2 x 1000 x 16 + 16 = 2 x 608 + 32,016 = 33,232
+    end = plan(wide, ranks=2, gpu_gib=10, micro_batch_tokens=2, rollout_tokens=2)
+    assert {k: v for k, v in end.phases["training"].items() if k.startswith(("trainer", "root"))} == {
+        "trainer: fp32 weights, gradients, AdamW moments": 16 * 33232 // 2,
+        "root's bf16 gradients, fp32 reduce copy": 6 * 32000}
+    # over 64 GPUs, moving the root (4 x 32,000) whole onto one GPU at start-up is more than 20P/N (10,385)
+    load = plan(wide, ranks=64, gpu_gib=10, micro_batch_tokens=2, rollout_tokens=2)
+    assert load.phases["resume"]["trainer: fp32 shards"] == 4 * 33232 // 64
+    assert load.phases["resume"]["a module in full (fp32)"] == 4 * 32000
+
+
+def test_the_offload_decision_at_its_boundary():
+    # Qwen3-14B stage 1 on 8 GPUs: P = 40 x (2 x 5120 x 5120 + 2 x 5120 x 1024 + 3 x 5120 x 17408 + 2 x 5120)
+    # + 2 x 151936 x 5120 + 5120; a rollout at its longest holds R = 160 KiB x 10240 tokens; the trainer's
+    # state S = 12P/8 is 13.2 R.
+    p14 = 40 * (2 * 5120 * 5120 + 2 * 5120 * 1024 + 3 * 5120 * 17408 + 2 * 5120) + 2 * 151936 * 5120 + 5120
+    assert Shape.of(KNOWN["Qwen3-14B"]).params == p14
+    r = 160 * 1024 * 10240
+    trainer = 12 * p14 // 8
+    # The engine but its KV cache (16384 batched tokens, 1024 sequences): the sampler's 1024 x 151936 x 18
+    # plus the hidden states 16384 x 5120 x 2 beat the forward's 16384 x (8 x 5120 + 6 x 17408)
+    engine = (2 * p14 + CUDA_GRAPHS + 16384 * 5120 * 2 + 304 * 151936 * 4 + ENGINE_BUFFERS
+              + 1024 * 151936 * 18 + 16384 * 5120 * 2)
+
+    def gpu_gib(kv_if_offloaded):  # the GPU whose share leaves that KV cache when the trainer offloads
+        return (kv_if_offloaded + engine + CONTEXT + MARGIN) / GiB
+
+    stage1 = dict(ranks=8, micro_batch_tokens=8192, rollout_tokens=10240)
+    # 28 R: 28 rollouts offloaded, (28 R - S) // R = 14 without: doubled, so auto offloads
+    doubled = plan(KNOWN["Qwen3-14B"], gpu_gib=gpu_gib(28 * r), **stage1)
+    assert (28 * r - trainer) // r == 14
+    assert doubled.rollouts_with_offload == {True: 28, False: 14}
+    assert doubled.offload and doubled.rollouts_at_once == 28
+    # a byte less: 27 offloaded, still 14 without: not doubled, so it does not
+    short = plan(KNOWN["Qwen3-14B"], gpu_gib=gpu_gib(28 * r - 1), **stage1)
+    assert short.rollouts_with_offload == {True: 27, False: 14}
+    assert not short.offload and short.rollouts_at_once == 14
+    assert "trainer: fp32 weights, AdamW moments" in short.phases["rollout"]
+    assert plan(KNOWN["Qwen3-14B"], gpu_gib=gpu_gib(28 * r - 1), offload="on", **stage1).offload
+    # 256K-token rollouts (R' = 40 GiB), room for one when offloaded and none without: that doubles too
+    long = dict(stage1, rollout_tokens=262144)
+    one = plan(KNOWN["Qwen3-14B"], gpu_gib=gpu_gib(160 * 1024 * 262144), **long)
+    assert one.rollouts_with_offload == {True: 1, False: 0} and one.offload and one.rollouts_at_once == 1
+    with pytest.raises(ValueError, match="HINT"):
+        plan(TINY, ranks=1, gpu_gib=10, micro_batch_tokens=512, rollout_tokens=1000, offload="yes")
 
 
 def test_the_targets_of_the_gpu_node():
-    """14B stage 1 on 8 x 80 GiB admits at least 12 rollouts per GPU, 7B at least 60; 32B does not fit there."""
-    stage1 = dict(ranks=8, gpu_gib=80, micro_batch_tokens=8192, rollout_tokens=2048 + 8192)
-    assert plan(KNOWN["Qwen3-14B"], **stage1).rollouts_at_once >= 12
-    assert plan(KNOWN["Qwen2.5-7B"], **stage1).rollouts_at_once >= 60
-    assert not plan(KNOWN["Qwen2.5-32B"], **stage1).fits
-    assert plan(KNOWN["Qwen2.5-32B"], **dict(stage1, gpu_gib=192)).fits
+    """14B stage 1 on 8 x 80 GiB offloads and admits at least 24 rollouts per GPU at their longest, every
+    phase fitting; 7B keeps its trainer on the GPU and admits at least 60; 32B does not fit there."""
+    p = plan(KNOWN["Qwen3-14B"], **STAGE1)
+    assert p.offload and p.rollouts_at_once >= 24 and p.fits
+    assert p.rollouts_with_offload[False] < 14, "counted in full, 14B holds fewer than 14 without offloading"
+    assert all(peak <= 80 * GiB - MARGIN for peak in p.peaks.values()), p.peaks
+    assert set(p.peaks) == {"resume", "rollout", "training", "optimizer step", "sync"}
+    assert p.offload_bytes_per_step == 2 * 12 * p.params // 8  # 41 GiB per GPU: under 2 s at 25 GB/s
+    assert p.offload_seconds < 2
+    seven = plan(KNOWN["Qwen2.5-7B"], **STAGE1)
+    assert not seven.offload and seven.rollouts_at_once >= 60 and seven.fits
+    assert not plan(KNOWN["Qwen2.5-32B"], **STAGE1).fits
+    assert plan(KNOWN["Qwen2.5-32B"], **dict(STAGE1, gpu_gib=192)).fits
+
+
+def test_describe_prints_every_phase_and_term():
+    p = plan(KNOWN["Qwen3-14B"], **STAGE1)
+    text = describe(p, 8)
+    for phase, terms in p.phases.items():
+        assert f"  {phase}: peak {sum(terms.values()) / GiB:.1f}" in text
+        for name in terms:
+            assert name in text
+    for name in p.host:
+        assert name in text
+    assert "trainer offload: on" in text and f"{p.rollouts_at_once} at once" in text and "fits: yes" in text
+    assert max(len(line) for line in text.splitlines()) <= 110
 
 
 def test_train_plan_prints_and_exits_without_loading_weights(toy_world):
@@ -45,7 +178,8 @@ def test_train_plan_prints_and_exits_without_loading_weights(toy_world):
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     big = run("--stage", "1", "--model", "Qwen3-14B", "--gpu-memory", "80", "--plan-gpus", "8")
-    assert big.returncode == 0 and "at once" in big.stdout and "fits: yes" in big.stdout, big.stdout + big.stderr
+    assert big.returncode == 0, big.stdout + big.stderr
+    assert "at once" in big.stdout and "fits: yes" in big.stdout, big.stdout
     too_big = run("--stage", "1", "--model", "Qwen2.5-32B", "--gpu-memory", "80")
     assert too_big.returncode == 1 and "fits: NO" in too_big.stdout
     toy = run("--preset", "toy", "--model", str(toy_world / "init_model"), "--plan-gpus", "1")
