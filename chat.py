@@ -13,17 +13,16 @@ import sys
 
 from conversation import format_tool_response
 from engine import make_engine
-from rollout import RolloutConfig, add_tool_turn, end_turn, model_eos_ids, sampled, sampling_params
-from rollout import start_trajectories
+from rollout import (add_rollout_flags, add_tool_turn, end_turn, model_eos_ids, rollout_config,
+                     sampling_params, start_trajectories, turn_tokens)
 from sandbox import Sandbox
 
 parser = argparse.ArgumentParser(description="Chat with a checkpoint: its turns, tool calls and answer.")
 parser.add_argument("--model", required=True, help="an HF checkpoint folder (sft.py or train.py output)")
-parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
-parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
-parser.add_argument("--max-turns", type=int, default=30, help="assistant turns per problem (eval: 30)")
+add_rollout_flags(parser, temperature=0.6, max_turns=30, max_response=30000)  # eval.py's settings
 parser.add_argument("--max-model-len", type=int, default=None,
-                    help="prompt + response tokens (default: the model's context, at most 32768)")
+                    help="prompt + response tokens (default: the model's context, at most 32768); it caps "
+                         "--max-response")
 parser.add_argument("--kv-cache-tokens", type=int, default=None, help="CPU: the KV cache in tokens")
 parser.add_argument("--memory-fraction", type=float, default=0.5, help="GPU: the engine's share of memory")
 parser.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -60,15 +59,14 @@ def sample_turn(traj, cfg):
         engine.abort_request([request_id])
         raise
     print(text[len(shown):], end="", flush=True)
-    return sampled(last.outputs[0])
+    return turn_tokens(last.outputs[0])
 
 
 def solve(index: int, question: str, sandbox) -> None:
     """Roll out one trajectory turn by turn, printing each turn, tool call and tool output."""
     traj = start_trajectories(tokenizer, [{"question": question, "answer": ""}], n=1, offset=index)[0]
-    cfg = RolloutConfig(max_turns=args.max_turns, max_response=max_len - len(traj.prompt_ids),
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed + index,
-                        eos_ids=eos_ids)
+    cfg = rollout_config(args, seed=args.seed + index, eos_ids=eos_ids)
+    cfg.max_response = min(cfg.max_response, max_len - len(traj.prompt_ids))
     if cfg.max_response <= 0:
         print(f"the problem takes {len(traj.prompt_ids)} tokens: more than --max-model-len {max_len}")
         return

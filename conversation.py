@@ -1,4 +1,4 @@
-"""The conversation format (paper Fig. 3; DESIGN.md §3 "Prompt", "Turns"): SFT, RL, eval and chat use it.
+"""The conversation format (paper Fig. 3; docs/design.md §2): SFT, RL, eval and chat use it.
 
 A conversation is rendered as text (for people, logs, and the chat template saved with checkpoints) and
 as token ids (for the model). The template's own markers become control tokens; the content (problems,

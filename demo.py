@@ -1,7 +1,7 @@
 """The toy world end to end on a CPU, the way the paper runs the recipe at scale.
 
-    .venv/bin/python demo.py            # prepare -> SFT -> eval -> GRPO-RoC -> eval, then a table and a plot
-    .venv/bin/python demo.py --no-roc   # the ablation: RL with uniform down-sampling, one more column
+    .venv/bin/python demo.py              # prepare -> SFT -> eval -> GRPO-RoC -> eval, a table and a plot
+    .venv/bin/python demo.py --arm uniform  # the ablation (or --no-roc): uniform down-sampling, a column more
 
 Every stage is one of the project's own scripts, run as a subprocess with its command printed,
 so the demo is also the recipe: copy a printed line to rerun a stage. A stage whose output is
@@ -23,8 +23,14 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
 parser = argparse.ArgumentParser(description="The toy world end to end: data, SFT, eval, GRPO-RoC, eval.")
-parser.add_argument("--no-roc", action="store_true",
-                    help="ablation: RL with uniform down-sampling instead of Resample-on-Correct")
+
+# The RL arms: a name -> its column, its output folder and its train.py flags. An ablation is a line here.
+ARMS = {
+    "roc": dict(column="RL (RoC)", out_dir="runs/toy_rl", flags=["--downsample", "roc"]),
+    "uniform": dict(column="RL (no RoC)", out_dir="runs/toy_rl_noroc", flags=["--downsample", "uniform"]),
+}
+parser.add_argument("--arm", choices=list(ARMS), default="roc", help="which RL arm to run (each adds a column)")
+parser.add_argument("--no-roc", dest="arm", action="store_const", const="uniform", help="the same as --arm uniform")
 parser.add_argument("--steps", type=int, default=60,
                     help="RL steps (about 2-3 s each on a quiet 2-core machine)")
 parser.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
@@ -32,12 +38,10 @@ parser.add_argument("--fresh", action="store_true", help="delete earlier outputs
 parser.add_argument("--plot", default="runs/demo/rl_curves.png", help="where the PNG of the RL curves goes")
 args = parser.parse_args()
 
-RUNS = {"SFT": None, "RL (RoC)": "runs/toy_rl", "RL (no RoC)": "runs/toy_rl_noroc"}  # column -> RL out dir
-rl_name = "RL (no RoC)" if args.no_roc else "RL (RoC)"
-rl_dir = RUNS[rl_name]
-eval_dir = lambda name: "runs/demo/eval_" + {"SFT": "sft", "RL (RoC)": "rl", "RL (no RoC)": "rl_noroc"}[name]
+COLUMNS = {"SFT": "runs/demo/eval_sft", **{a["column"]: f"runs/demo/eval_{name}" for name, a in ARMS.items()}}
+arm = ARMS[args.arm]
 if args.fresh:
-    for path in ["data/toy", "runs/toy_sft", *filter(None, RUNS.values()), "runs/demo"]:
+    for path in ["data/toy", "runs/toy_sft", *(a["out_dir"] for a in ARMS.values()), "runs/demo"]:
         shutil.rmtree(path, ignore_errors=True)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's chatter; the stages print their own progress
 t_start = time.time()
@@ -66,27 +70,26 @@ stage("1/5 toy world: problems, SFT conversations, tokenizer, untrained model",
       "data/toy/init_model/tokenizer.json", "data/prepare_toy.py")
 stage("2/5 non-reasoning SFT: the tool-call format", "runs/toy_sft/model.safetensors",
       "sft.py", "--preset", "toy")
-stage("3/5 evaluate the SFT model on the held-out problems", eval_dir("SFT") + "/table.json",
-      "eval.py", "--model", "runs/toy_sft", *EVAL, "--out-dir", eval_dir("SFT"))
-stage(f"4/5 GRPO-RoC, {args.steps} steps" + (" with --no-roc" if args.no_roc else ""),
-      rl_dir + "/final/model.safetensors",
-      "train.py", "--preset", "toy", "--steps", str(args.steps), "--out-dir", rl_dir, "--resume", "1",
-      *(["--no-roc"] if args.no_roc else []))
-stage("5/5 evaluate the RL model on the held-out problems", eval_dir(rl_name) + "/table.json",
-      "eval.py", "--model", rl_dir + "/final", *EVAL, "--out-dir", eval_dir(rl_name))
+stage("3/5 evaluate the SFT model on the held-out problems", COLUMNS["SFT"] + "/table.json",
+      "eval.py", "--model", "runs/toy_sft", *EVAL, "--out-dir", COLUMNS["SFT"])
+stage(f"4/5 GRPO-RoC, {args.steps} steps, {' '.join(arm['flags'])}", arm["out_dir"] + "/final/model.safetensors",
+      "train.py", "--preset", "toy", "--steps", str(args.steps), "--out-dir", arm["out_dir"], "--resume", "1",
+      *arm["flags"])
+stage("5/5 evaluate the RL model on the held-out problems", COLUMNS[arm["column"]] + "/table.json",
+      "eval.py", "--model", arm["out_dir"] + "/final", *EVAL, "--out-dir", COLUMNS[arm["column"]])
 
 # -----------------------------------------------------------------------------
 # The comparison table: every column whose evaluation exists (the ablation adds its own).
 
 tables = {}
-for name in RUNS:
-    if os.path.exists(eval_dir(name) + "/table.json"):
-        with open(eval_dir(name) + "/table.json") as f:
+for name, folder in COLUMNS.items():
+    if os.path.exists(folder + "/table.json"):
+        with open(folder + "/table.json") as f:
             tables[name] = json.load(f)["table"][0]
 ROWS = [("accuracy (avg pass@1, %)", "avg_pass@1", 100),
         (f"pass@{args.samples} (%)", f"pass@{args.samples}", 100),
-        ("tool-use rate (%)", "tool_use_rate", 100), ("tool-error ratio (%)", "tool_error_ratio", 100),
-        ("mean response length (tokens)", "response_tokens", 1)]
+        ("tool-use rate (%)", "tool_use", 100), ("tool-error ratio (%)", "tool_error_ratio", 100),
+        ("mean response length (tokens)", "response_length", 1)]
 print(f"\nheld-out toy problems: {tables['SFT']['problems']} x {args.samples} samples, temperature 0.6\n")
 print(f"{'':32}" + "".join(f"{name:>14}" for name in tables))
 for label, key, scale in ROWS:
@@ -101,22 +104,18 @@ for name in tables:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """metrics.jsonl rows, the last one of each step (a resumed run rewrites those after its checkpoint)."""
-    rows = {}
+    """metrics.jsonl rows (one per step: a resumed run drops the rows after its checkpoint)."""
     with open(path) as f:
-        for line in f:
-            row = json.loads(line)
-            rows[row["step"]] = row
-    return [rows[s] for s in sorted(rows)]
+        return [json.loads(line) for line in f]
 
 
-PANELS = [("reward", "reward of the kept rollouts"), ("accuracy", "accuracy of all rollouts"),
+PANELS = [("kept_reward", "reward of the kept rollouts"), ("accuracy", "accuracy of all rollouts"),
           ("tool_error_ratio_pos", "tool-error ratio, correct rollouts"),
           ("response_length", "response length (tokens)")]
 fig, axes = plt.subplots(2, 2, figsize=(9, 6.5))
 axes = axes.flatten()
-for name, out_dir in RUNS.items():
-    if out_dir and os.path.exists(out_dir + "/metrics.jsonl"):
+for name, out_dir in [(a["column"], a["out_dir"]) for a in ARMS.values()]:
+    if os.path.exists(out_dir + "/metrics.jsonl"):
         rows = read_metrics(out_dir + "/metrics.jsonl")
         for ax, (key, title) in zip(axes, PANELS):
             ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=name)

@@ -3,7 +3,8 @@
 Every vLLM-specific detail the project relies on lives here, one named function each, written
 against vllm 0.32 (what each does and why is in its docstring):
 1. make_engine: bf16 with sleep mode on GPUs; fp32, eager, a KV cache sized in tokens on CPUs.
-2. sync_weights: the trainer's weights loaded in place (`reload_weights`), the prefix cache reset.
+2. sync_weights: the trainer's weights (full_weights: gathered from the FSDP2 shards one parameter
+   at a time) loaded in place (`reload_weights`), the prefix cache reset.
 3. sleep / wake_for_rollout: the engine's GPU memory given to training and taken back.
 4. kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
 On a GPU a step cycles: rollout (awake) -> sleep (weights to host memory, KV cache freed) ->
@@ -66,6 +67,17 @@ def _sleeping(llm) -> set[str]:
     """The engine's allocations that sleep: "weights", "kv_cache" (vllm 0.32 keeps the set in the
     executor of the in-process engine core; empty on CPUs, which have no sleep mode)."""
     return set(llm.llm_engine.engine_core.engine_core.model_executor.sleeping_tags)
+
+
+def full_weights(model, dtype):
+    """(HF name, full tensor in `dtype`) one parameter at a time, for sync_weights: each is gathered
+    from its FSDP2 shards and converted only when asked for, and nothing here keeps it after. Tied
+    weights go under both names (embed_tokens and lm_head): embed_tokens alone left vLLM 0.32's CPU
+    engine half-updated (tests/test_real.py syncs SmolLM2's tied pair)."""
+    for name, tensor in model.state_dict().items():
+        gathered = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield name, gathered.to(dtype)
+        del gathered  # (before the next one is gathered)
 
 
 def sync_weights(llm, named_tensors) -> None:

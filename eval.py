@@ -7,9 +7,12 @@
 
 1. Same prompt, rollout code (scheduler.py) and reward as training; defaults are the paper's:
    temperature 0.6, 16 samples per problem, up to 30K tokens, T = 30 turns.
-2. One table per run: avg pass@1, unbiased pass@k (pass_at_k) for k = 2, 4, ... up to n, mean
-   response length in tokens (sampled and tool tokens), mean tool calls, tool-error ratio (failed
-   calls / calls), share truncated, tool-use rate (share of samples with at least one tool call).
+2. One table per run: avg pass@1 (the share of correct samples: `correct`, never the reward, which
+   a fork may shape), unbiased pass@k (pass_at_k) for k = 2, 4, ... up to n, mean response length in
+   tokens (sampled and tool tokens), mean tool calls, tool-error ratio (failed calls / calls), share
+   truncated, tool-use rate (share of samples with at least one tool call): rollout.trajectory_metrics.
+   A sample the sandbox failed (a worker died, a check did not finish) is not scored: it is counted
+   in its own column and left out of every rate; pass@k then uses the problem's scored samples.
 3. Under torchrun every rank runs its own engine and pulls problems from a shared counter; the
    trajectories are gathered, and rank 0 prints the table and writes table.json + samples.jsonl.
 4. --filter-solved K: the stage-3 difficulty filter. Sample K rollouts per training problem and
@@ -26,7 +29,8 @@ from collections import defaultdict
 
 from engine import make_engine
 from conversation import prompt_ids
-from rollout import RolloutConfig, drop_long_prompts, model_eos_ids, read_problems
+from rollout import (RolloutConfig, add_rollout_flags, drop_long_prompts, model_eos_ids, read_problems,
+                     rollout_config, trajectory_metrics)
 from scheduler import ProblemQueue, rollout_scheduled
 from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
 
@@ -47,13 +51,9 @@ def get_args(argv=None):
     parser.add_argument("--n", "--samples", type=int, default=16, dest="n",
                         help="samples per problem (under torchrun spell it --samples: torchrun reads --n as "
                              "its own)")
-    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    parser.add_argument("--max-response", type=int, default=30000,
-                        help="token budget per trajectory, sampled and tool tokens together")
-    parser.add_argument("--max-turns", type=int, default=30, help="assistant turns per trajectory (T)")
-    parser.add_argument("--max-prompt", type=int, default=4096,
-                        help="problems whose prompt has more tokens are dropped (and counted)")
+    rollouts = add_rollout_flags(parser, temperature=0.6, max_response=30000, max_turns=30)  # (1)
+    rollouts.add_argument("--max-prompt", type=int, default=4096,
+                          help="problems whose prompt has more tokens are dropped (and counted)")
     parser.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,
                         help="under torchrun: how long a rank may wait for the others' rollouts")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -71,7 +71,7 @@ def get_args(argv=None):
                         help="sampling seed (every turn of every sample derives its own)")
     parser.add_argument("--out-dir", default=None,
                         help="where table.json, samples.jsonl and eval_config.json go (default "
-                             "results/<model name>; not with --filter-solved)")
+                             "results/<model name>; with --filter-solved: the verdicts behind the filter)")
     parser.add_argument("--filter-solved", type=int, default=0, metavar="K",
                         help="stage-3 filter: sample K per problem of --data, write those not solved K/K to "
                              "--out")
@@ -107,33 +107,35 @@ def table_ks(n: int) -> list[int]:
     return sorted({2 ** e for e in range(1, n.bit_length()) if 2 ** e <= n} | ({n} if n > 1 else set()))
 
 
-def benchmark_row(name: str, samples: list[dict], n: int) -> dict:
-    """One table row from a benchmark's graded samples (n per problem)."""
-    correct = defaultdict(int)
-    for s in samples:
-        correct[s["problem"]] += s["reward"] == 1.0
-    count, calls = max(len(samples), 1), sum(s["tool_calls"] for s in samples)
-    row = {"benchmark": name, "problems": len(correct), "samples": len(samples),
-           "avg_pass@1": sum(s["reward"] for s in samples) / count}
+TABLE_METRICS = ["response_length", "tool_calls", "tool_error_ratio", "truncated", "tool_use",
+                 "sandbox_failures"]
+
+
+def benchmark_row(name: str, trajs: list, n: int) -> dict:
+    """One table row from a benchmark's graded trajectories (n per problem, t.index the problem)."""
+    scored, correct = defaultdict(int), defaultdict(int)
+    for t in trajs:
+        scored[t.index] += not t.sandbox_failed
+        correct[t.index] += t.correct and not t.sandbox_failed
+    metrics = trajectory_metrics(trajs)
+    row = {"benchmark": name, "problems": len(scored), "samples": len(trajs),
+           "avg_pass@1": metrics["accuracy"]}
     for k in table_ks(n):
-        row[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct.values()) / max(len(correct), 1)
-    row.update(response_tokens=sum(s["response_tokens"] for s in samples) / count,
-               tool_calls=calls / count,
-               tool_error_ratio=sum(sum(s["tool_failures"].values()) for s in samples) / max(calls, 1),
-               truncated=sum(s["finish_reason"] == "length" for s in samples) / count,
-               tool_use_rate=sum(s["tool_calls"] > 0 for s in samples) / count)
-    return row
+        per_problem = [pass_at_k(m, correct[i], min(k, m)) for i, m in scored.items() if m]
+        row[f"pass@{k}"] = sum(per_problem) / max(len(per_problem), 1)
+    return dict(row, **{key: metrics[key] for key in TABLE_METRICS})
 
 
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table; rates in percent."""
     ks = [key for key in rows[0] if key.startswith("pass@")]
     head = ["benchmark", "problems", "samples", "avg@1", *ks, "resp tok", "tool calls", "tool err", "trunc",
-            "tool use"]
+            "tool use", "sandbox failed"]
     lines = [[r["benchmark"], str(r["problems"]), str(r["samples"]), f"{100 * r['avg_pass@1']:.1f}"]
              + [f"{100 * r[k]:.1f}" for k in ks]
-             + [f"{r['response_tokens']:.0f}", f"{r['tool_calls']:.2f}", f"{100 * r['tool_error_ratio']:.1f}",
-                f"{100 * r['truncated']:.1f}", f"{100 * r['tool_use_rate']:.1f}"] for r in rows]
+             + [f"{r['response_length']:.0f}", f"{r['tool_calls']:.2f}", f"{100 * r['tool_error_ratio']:.1f}",
+                f"{100 * r['truncated']:.1f}", f"{100 * r['tool_use']:.1f}", str(r["sandbox_failures"])]
+             for r in rows]
     width = [max(len(x[i]) for x in [head] + lines) for i in range(len(head))]
 
     def fmt(cells):  # the first column to the left, numbers to the right
@@ -141,12 +143,13 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt(head), "  ".join("-" * w for w in width)] + [fmt(x) for x in lines])
 
 
-def select_unsolved(problems: list[dict], samples: list[dict], k: int) -> list[dict]:
-    """(4) The problems not solved k/k, in order, as given. Every problem must have k samples."""
+def select_unsolved(problems: list[dict], trajs: list, k: int) -> list[dict]:
+    """(4) The problems not solved k/k (`correct`), in order, as given; a problem with a sample the
+    sandbox failed is kept (not solved k/k as far as we know). Every problem must have k samples."""
     tried, solved = defaultdict(int), defaultdict(int)
-    for s in samples:
-        tried[s["problem"]] += 1
-        solved[s["problem"]] += s["reward"] == 1.0
+    for t in trajs:
+        tried[t.index] += 1
+        solved[t.index] += t.correct and not t.sandbox_failed
     if any(tried[i] != k for i in range(len(problems))) or len(tried) != len(problems):
         raise ValueError(f"select_unsolved needs exactly {k} graded samples per problem")
     return [p for i, p in enumerate(problems) if solved[i] < k]
@@ -177,9 +180,9 @@ _batches = itertools.count()  # shared-counter keys; every rank calls evaluate i
 
 
 def evaluate(llm, tokenizer, sandbox, benchmarks: dict[str, list[dict]], cfg: RolloutConfig, n: int,
-             distributed: bool = False) -> tuple[list[dict], list[dict]]:
-    """Roll out n samples of every problem of every benchmark and grade them.
-    Returns (table rows, one per benchmark; graded samples, one dict per trajectory)."""
+             distributed: bool = False) -> tuple[list[dict], list[dict], list]:
+    """Roll out n samples of every problem of every benchmark and grade them. Returns (table rows, one
+    per benchmark; samples, one dict per trajectory for samples.jsonl; the trajectories)."""
     names, problems = [], []
     for name, probs in benchmarks.items():
         names += [(name, i) for i in range(len(probs))]
@@ -189,17 +192,19 @@ def evaluate(llm, tokenizer, sandbox, benchmarks: dict[str, list[dict]], cfg: Ro
     trajs, _ = rollout_scheduled(llm.llm_engine, tokenizer, sandbox, problems, n, cfg, problem_queue)
     samples = [{"benchmark": names[t.index][0], "problem": names[t.index][1], "sample": t.sample,
                 "question": problems[t.index]["question"], "gold": t.gold, "answer": t.answer,
-                "reward": t.reward, "finish_reason": t.finish_reason, "turns": t.num_turns,
-                "tool_calls": t.tool_calls, "tool_failures": dict(t.tool_failures),
-                "response_tokens": len(t.response_ids), "text": t.text} for t in trajs]
-    rows = [benchmark_row(name, [s for s in samples if s["benchmark"] == name], n) for name in benchmarks]
-    return rows, samples
+                "correct": t.correct, "reward": t.reward, "sandbox_failed": t.sandbox_failed,
+                "finish_reason": t.finish_reason, "turns": t.num_turns, "tool_calls": t.tool_calls,
+                "tool_failures": dict(t.tool_failures), "response_tokens": len(t.response_ids),
+                "text": t.text} for t in trajs]
+    rows = [benchmark_row(name, [t for t in trajs if names[t.index][0] == name], n) for name in benchmarks]
+    return rows, samples, trajs
 
 
 # -----------------------------------------------------------------------------
 
 def main(argv=None, llm=None):
-    """The CLI. Returns (table rows, graded samples); `llm`: an engine already made (tests share one)."""
+    """The CLI. Returns (table rows, samples as written to samples.jsonl, the graded trajectories); `llm`:
+    an engine already made (tests share one)."""
     args = get_args(argv)
     filtering = args.filter_solved > 0
     n = args.filter_solved if filtering else args.n
@@ -250,15 +255,13 @@ def main(argv=None, llm=None):
         llm = make_engine(args.model, args.max_model_len, seed=args.seed,
                           memory_fraction=args.memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
                           external_launcher=distributed)
-    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                        eos_ids=model_eos_ids(args.model))
+    cfg = rollout_config(args, seed=args.seed, eos_ids=model_eos_ids(args.model))
 
     # -- rollouts
     t0 = time.perf_counter()
     with Sandbox(workers=args.tool_workers, timeout=args.tool_timeout) as sandbox:
         args.tool_workers = sandbox.workers  # (the default, resolved, goes into eval_config.json)
-        rows, samples = evaluate(llm, tokenizer, sandbox, benchmarks, cfg, n, distributed)
+        rows, samples, trajs = evaluate(llm, tokenizer, sandbox, benchmarks, cfg, n, distributed)
     seconds = time.perf_counter() - t0
 
     # -- table (2)
@@ -268,18 +271,18 @@ def main(argv=None, llm=None):
               f"T = {args.max_turns} ({seconds:.0f} s)")
         print(format_table(rows))
         for r in rows:
-            print(f"tool-use rate {r['benchmark']}: {100 * r['tool_use_rate']:.1f}% of samples call the tool")
+            print(f"tool-use rate {r['benchmark']}: {100 * r['tool_use']:.1f}% of samples call the tool")
 
     # -- files (rank 0 only)
     if master and filtering:
         problems = next(iter(benchmarks.values()))
-        hard = select_unsolved(problems, samples, n)
+        hard = select_unsolved(problems, trajs, n)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in hard)
         print(f"--filter-solved {n}: removed {len(problems) - len(hard)} of {len(problems)} problems "
               f"(solved {n}/{n}); kept {len(hard)} -> {args.out}")
-    elif master:
+    if master:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "eval_config.json"), "w") as f:
             json.dump(config, f, indent=2)
@@ -291,7 +294,7 @@ def main(argv=None, llm=None):
               f"to {args.out_dir}")
     if distributed:  # vLLM 0.32's engine shutdown destroys the process group: destroying it here breaks that
         dist.barrier(group=cpu_group())
-    return rows, samples
+    return rows, samples, trajs
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The reward (DESIGN.md §3 "Reward"): is the model's answer equivalent to the gold one.
+"""The grading behind the reward (docs/design.md §3): is the model's answer equivalent to the gold one.
 
 Plain numbers (all RL answers are integers) are compared exactly here; math-verify decides the rest.
 """

@@ -29,32 +29,26 @@ What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
    of the rollout.
 7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level: the sum over
    masked-in tokens divided by `n_loss_tokens`, the token count of the whole step (all
-   micro-batches, all ranks), so any split of the batch gives the gradient of one big batch
-   (DAPO). No KL term, no entropy bonus, and no dual clip (verl's default c = 3 is not in the
-   paper). With one optimizer step per RL step (train.py's default, as in the paper and the
-   official release) the old policy is the current one: the ratio is exactly 1 and the clip never
-   acts (clip_frac_* = 0, ratio_mean = 1, approx_kl = 0). It acts from the second optimizer step
-   of train.py --mini-batches K > 1, which computes the old log-probs once, before the first.
+   micro-batches, all ranks), so any split gives the gradient of one big batch (DAPO). No KL, no
+   entropy bonus, no dual clip (verl's c = 3 is not in the paper). With one optimizer step per RL
+   step (the paper's, train.py's default) the old policy is the current one: the ratio is 1 and
+   the clip never acts; it does from the second step of train.py --mini-batches K > 1.
 8. Loss metrics are normalised by `n_loss_tokens` like the loss itself, so they add up over
    micro-batches and ranks to step-level means.
-9. Sandbox failures (always on; the paper reports none): a rollout with `sandbox_failed` (a worker
-   died mid-call, a grading call did not complete) has no outcome, so it leaves before anything
-   reads its reward: it is never a negative. Its group leaves too when fewer than G rollouts
-   would remain: that group would be judged on less evidence than every other one. Otherwise only
-   the failed ones leave: down-sampling discards G of the 2G anyway, while dropping every touched
-   group would, at a 1% failure rate, lose a quarter of the groups of 2G = 32.
-10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended
-   with neither a tool call nor an answer leaves the update. SimpleTIR has no 2G pool; here the
-   filter runs before (2), so down-sampling still fills G from the other rollouts, and the
-   all-equal drop and the advantages see only what trains.
-11. Sampler/trainer mismatch (not in the paper; off by default). Per loss token r = p_trainer /
-   p_sampler, p_trainer being the policy before the step. "tis": weight min(r, C) (truncated
-   importance sampling). "mask" (IcePop): a token with r outside [1/C, C] leaves the loss, the
-   others are weighted by r (IcePop's band is [0.5, 5]; here it is symmetric). "seq-mask" (verl's
-   geometric rejection): a rollout whose geometric-mean r is outside [1/C, C] leaves the loss,
-   the others are unweighted (C ~ 1.001). Masked tokens still count in n_loss_tokens, as in
-   IcePop's objective (verl's rejection drops them from the denominator): masking deletes a
-   token's term without scaling up the others', and n_loss_tokens stays known before any forward.
+9. Sandbox failures (always on): a rollout with `sandbox_failed` (a worker died mid-call, a check
+   did not complete) has no outcome: it leaves before anything reads its reward, never a negative.
+   Its group leaves too when fewer than G would remain (it would be judged on less evidence than
+   the others); otherwise only the failed ones leave: dropping every touched group would lose a
+   quarter of the groups of 2G = 32 at a 1% failure rate.
+10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended with
+   neither a tool call nor an answer leaves the update, before (2): G is still filled from the
+   others, and the all-equal drop and the advantages see only what trains.
+11. Sampler/trainer mismatch (off by default). Per loss token r = p_trainer / p_sampler, p_trainer
+   the policy before the step. "tis": weight min(r, C). "mask" (IcePop): a token with r outside
+   [1/C, C] leaves the loss, the others are weighted by r. "seq-mask" (verl's geometric
+   rejection): a rollout whose geometric-mean r is outside [1/C, C] leaves the loss (C ~ 1.001).
+   Masked tokens still count in n_loss_tokens, as in IcePop (verl drops them): masking deletes a
+   token's term without scaling up the others', and the denominator is known before any forward.
 
 Every down-sampler of DOWNSAMPLERS is fn(group, group_size, rng, **settings), `rng` a
 `random.Random`, and ignores the settings it does not use. It returns `(kept, stats)`: `kept` is

@@ -45,7 +45,7 @@ The engine's share goes to vLLM as gpu_memory_utilization (memory_fraction), not
 bytes (kv_cache_memory_bytes): vLLM then measures its own weights, buffers, transient peak and CUDA
 graphs and sizes the KV cache to fit the share, so an estimate here that is too small shrinks the
 KV cache instead of overrunning the GPU; with kv_cache_memory_bytes vLLM skips that subtraction.
-These are estimates from parameter counts and read sources, not measurements: the README's first GPU
+These are estimates from parameter counts and read sources, not measurements: docs/gpu.md's first GPU
 run checklist says how to check them. The sources named are vLLM 0.32's and torch 2.13's.
 """
 from dataclasses import dataclass
@@ -100,7 +100,7 @@ SANDBOX_SLOT = (101 + 17) * MiB  # a slot's "full" and "light" workers (sandbox.
 #   a running call may add up to its memory_mb (1 GiB by default), not counted
 PROCESS_HOST = 5 * GiB     # a rank's process: Python, torch, CUDA and NCCL libraries, vLLM: an estimate
 
-# The architectures of the README's table (the hub's config.json values), so it needs no download.
+# The architectures of docs/gpu.md's table (the hub's config.json values), so it needs no download.
 KNOWN = {
     "Qwen2.5-1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960,
                          num_attention_heads=12, num_key_value_heads=2, head_dim=128, vocab_size=151936,
@@ -418,7 +418,7 @@ def describe(p: Plan, ranks: int) -> str:
 
 
 def sizing_table(ranks: int = 8, micro_batch_tokens: int = 8192, rollout_tokens: int = 2048 + 8192) -> str:
-    """The README's table: the KNOWN models on 80 and 192 GiB GPUs, stage 1, offload auto."""
+    """docs/gpu.md's table: the KNOWN models on 80 and 192 GiB GPUs, stage 1, offload auto."""
     rows = ["| model | parameters | KV per token | GPUs | trainer offload | KV cache | rollouts at once "
             "| peak GiB: resume / training / optimizer step / sync | host per node |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -436,5 +436,37 @@ def sizing_table(ranks: int = 8, micro_batch_tokens: int = 8192, rollout_tokens:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # self-check: prints the README's sizing table
+def plan_for_model(model: str, ranks: int, gpu_gib: float | None = None, **settings) -> Plan:
+    """The plan of `model` (a KNOWN name, an HF folder or hub id) on `ranks` GPUs of `gpu_gib` GiB
+    (default: this GPU's, else 80); `settings` as plan() takes them."""
+    import torch
+    from transformers import AutoConfig
+    config = KNOWN[model] if model in KNOWN else AutoConfig.from_pretrained(model)
+    if gpu_gib is None:
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80
+    return plan(config, ranks, gpu_gib, **settings)
+
+
+def report(model: str, ranks: int, **settings) -> int:
+    """train.py --plan: print the plan; the exit status says whether it fits (0) or not (1)."""
+    p = plan_for_model(model, ranks, **settings)
+    print(describe(p, ranks))
+    return 0 if p.fits else 1
+
+
+def engine_share(asked: str, device, model: str, ranks: int, log, **settings) -> float | str:
+    """The engine's share of each GPU (vLLM's gpu_memory_utilization): `asked` unless it is "auto" on
+    GPUs, then the plan's, which `log` prints; SystemExit with what to do if the plan does not fit."""
+    if asked != "auto" or device.type != "cuda":
+        return float(asked) if asked != "auto" else asked
+    p = plan_for_model(model, ranks, **settings)
+    log(describe(p, ranks))
+    if not p.fits:
+        raise SystemExit("the memory plan above does not fit these GPUs\n---> HINT: fewer "
+                         "--micro-batch-tokens, more GPUs (the trainer's share shrinks with them), "
+                         "or a smaller model")
+    return p.memory_fraction
+
+
+if __name__ == "__main__":  # self-check: prints docs/gpu.md's sizing table
     print(sizing_table())

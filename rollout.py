@@ -6,6 +6,7 @@ Problems are {"question", "answer"} JSONL lines, checked when read.
 Trajectories are built from token ids, never by re-tokenizing text: the trainer scores exactly the
 sampled ids.
 """
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -13,12 +14,14 @@ from dataclasses import dataclass, field
 from conversation import (IM_END, MAX_TOOL_RESPONSE_CHARS, encode, extract_answer, format_tool_response,
                           parse_tool_call, prompt_ids, tool_turn_pieces)
 from grading import grade
+from sandbox import SANDBOX_FAILURE
 
 # -----------------------------------------------------------------------------
-# The trajectory record (DESIGN.md §4): everything downstream reads only this.
+# The trajectory record (docs/design.md §1): everything downstream reads only this.
 
 FAILURE_KINDS = ("error", "timeout", "oom", "parse")  # what counts as a failed tool call
-FINISH_REASONS = ("answer", "no_tool_call", "length", "max_turns")
+# sandbox_failure: the sandbox itself failed (not the model's code): the trajectory stops there
+FINISH_REASONS = ("answer", "no_tool_call", "length", "max_turns", "sandbox_failure")
 
 
 @dataclass
@@ -33,9 +36,13 @@ class Trajectory:
     tool_calls: int = 0             # tool calls made (parse failures included)
     tool_failures: dict[str, int] = field(default_factory=dict)  # kind (FAILURE_KINDS) -> count
     num_answers: int = 0            # <answer> blocks the model wrote, over all turns
+    void_turns: int = 0             # turns that ended with neither a tool call nor an answer
     answer: str | None = None       # the extracted \boxed{} answer, None if there is none
     gold: str = ""                  # the reference answer
-    reward: float = 0.0             # 1.0 if the answer is equivalent to the gold answer, else 0.0
+    correct: bool = False           # the answer is equivalent to the gold one (set by grading)
+    reward: float = 0.0             # what the update optimises: reward(traj), computed from `correct`
+    sandbox_failed: bool = False    # the sandbox failed it (a worker died, a check did not finish):
+    #                                 not the model's doing, so it is left out of the update
     finish_reason: str = ""         # one of FINISH_REASONS, set when the trajectory ends
     text: str = ""                  # the decoded response, for logs only
 
@@ -45,8 +52,8 @@ class Trajectory:
 
 
 # -----------------------------------------------------------------------------
-# The turn logic (DESIGN.md §3 "Turns"): a per-trajectory state machine any driver can step.
-#   start_trajectories -> [sampling_params -> engine -> end_turn -> (sandbox) -> add_tool_turn]* -> finish
+# The turn logic (docs/design.md §2): a per-trajectory state machine any driver can step.
+#   start_trajectories -> [sampling_params -> engine -> end_turn -> (sandbox) -> add_tool_turn]* -> score
 
 @dataclass
 class RolloutConfig:
@@ -58,6 +65,36 @@ class RolloutConfig:
     max_tool_chars: int = MAX_TOOL_RESPONSE_CHARS
     kv_budget: int | None = None   # the scheduler admits within this many KV tokens (None: the engine's)
     eos_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (model_eos_ids): they end a turn too
+
+
+def add_rollout_flags(parser, top_p: bool = True, **defaults):
+    """The rollout settings, one definition for every script (train.py, eval.py, chat.py), each
+    with its own defaults (the paper evaluates at temperature 0.6 and T = 30, trains at 1.0 and
+    T = 10). Returns the argument group, for a script's own rollout flags. top_p=False: no --top-p
+    (train.py: see its --temperature help)."""
+    group = parser.add_argument_group("rollouts")
+    group.add_argument("--max-turns", type=int, default=RolloutConfig.max_turns,
+                       help="T: assistant turns per trajectory")
+    group.add_argument("--max-response", type=int, default=RolloutConfig.max_response,
+                       help="token budget of a response: sampled and tool tokens together")
+    group.add_argument("--temperature", type=float, default=RolloutConfig.temperature,
+                       help="sampling temperature" + ("" if top_p else (
+                           "; the trainer scores with the same. There is no --top-p or --top-k here: the "
+                           "engine reports log-probs after its top-p/top-k mask, the trainer over the "
+                           "whole vocabulary, so the two would disagree on every token")))
+    if top_p:
+        group.add_argument("--top-p", type=float, default=RolloutConfig.top_p, help="nucleus sampling")
+    group.add_argument("--max-tool-chars", type=int, default=MAX_TOOL_RESPONSE_CHARS,
+                       help="a tool response is cut to this many characters (middle-truncated)")
+    parser.set_defaults(**defaults)
+    return group
+
+
+def rollout_config(args, **fields) -> RolloutConfig:
+    """The RolloutConfig of add_rollout_flags' flags; `fields` sets the rest (seed, eos_ids, ...)."""
+    return RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
+                         temperature=args.temperature, top_p=getattr(args, "top_p", 1.0),
+                         max_tool_chars=args.max_tool_chars, **fields)
 
 
 def model_eos_ids(model: str) -> tuple[int, ...]:
@@ -110,6 +147,25 @@ def drop_long_prompts(problems: list[dict], tokenizer, max_prompt: int) -> tuple
     return kept, len(problems) - len(kept)
 
 
+class ProblemStream:
+    """An endless stream of problems, epoch after epoch, each epoch a shuffle seeded by the seed and
+    the epoch: the problems at a position are the same whoever asks and however the stream is cut."""
+
+    def __init__(self, problems: list[dict], seed: int):
+        self.problems, self.seed = problems, seed
+
+    @functools.lru_cache(maxsize=2)  # (one shuffle per epoch, not one per problem taken)
+    def order(self, epoch: int) -> list[int]:
+        import torch
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.problems), generator=generator).tolist()
+
+    def take(self, position: int, count: int) -> list[dict]:
+        """The problems at positions position .. position + count - 1."""
+        picks = [divmod(p, len(self.problems)) for p in range(position, position + count)]  # (epoch, i)
+        return [self.problems[self.order(epoch)[i]] for epoch, i in picks]
+
+
 def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0) -> list[Trajectory]:
     """n fresh trajectories per problem ({"question", "answer"}), numbered from `offset`."""
     prompts = [prompt_ids(tokenizer, p["question"]) for p in problems]
@@ -150,6 +206,7 @@ def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], toke
     if not ended or len(traj.response_ids) >= cfg.max_response:
         traj.finish_reason = "length"
     elif call is None:
+        traj.void_turns += extract_answer(text) is None  # neither a tool call nor an answer (SimpleTIR)
         traj.finish_reason = "answer" if traj.answer is not None else "no_tool_call"
     elif traj.num_turns >= cfg.max_turns:
         traj.finish_reason = "max_turns"
@@ -162,7 +219,13 @@ def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], toke
 def add_tool_turn(traj: Trajectory, result, tokenizer, cfg: RolloutConfig) -> None:
     """Append the tool's output (an ExecResult, or a parse error) as a user turn (loss mask 0), counting a
     failed call by kind. A tool turn that does not fit the budget ends the trajectory ("length"). The
-    output is plain text: whatever the code prints, it cannot end the turn or open another."""
+    output is plain text: whatever the code prints, it cannot end the turn or open another. A failure of
+    the sandbox itself is not the model's: it is not counted as a failed call, and the trajectory ends
+    there, marked, since what follows would not be what the model's code did."""
+    if not isinstance(result, str) and result.status == SANDBOX_FAILURE:
+        traj.sandbox_failed = True
+        traj.finish_reason = "sandbox_failure"
+        return
     if isinstance(result, str):
         kind, output = "parse", result
     else:
@@ -181,27 +244,65 @@ def add_tool_turn(traj: Trajectory, result, tokenizer, cfg: RolloutConfig) -> No
     traj.text += "".join(pieces)
 
 
-def finish(trajs: list[Trajectory], sandbox) -> None:
-    """Rewards: 1 if the answer is equivalent to the gold one; truncated trajectories get 0."""
-    rewards = grade([t.answer for t in trajs], [t.gold for t in trajs], sandbox)
-    for t, r in zip(trajs, rewards):
-        t.reward = 0.0 if t.finish_reason == "length" else r
+def reward(traj: Trajectory) -> float:
+    """The reward the update optimises, from the graded trajectory (docs/design.md §3). The paper's:
+    1 if the answer is correct and the trajectory was not cut by the token budget, else 0; no format
+    or tool penalties. This is the one place to change for reward shaping: accuracy, pass@k and the
+    stage-3 filter read `correct`, never the reward."""
+    return float(traj.correct and traj.finish_reason != "length")
 
 
-def sampled(output) -> tuple[list[int], list[float]]:
+def score(trajs: list[Trajectory], sandbox) -> None:
+    """Grade the finished trajectories (`correct`; a check the sandbox could not finish marks the
+    trajectory sandbox_failed instead), then compute each one's reward."""
+    verdicts = grade([t.answer for t in trajs], [t.gold for t in trajs], sandbox)
+    for t, verdict in zip(trajs, verdicts):
+        t.sandbox_failed = t.sandbox_failed or verdict is None
+        t.correct = bool(verdict)
+        t.reward = reward(t)
+
+
+def turn_tokens(output) -> tuple[list[int], list[float]]:
     """Token ids and their log-probs from a vLLM CompletionOutput (logprobs=0: the sampled token's)."""
     ids = list(output.token_ids)
     return ids, [lp[t].logprob for t, lp in zip(ids, output.logprobs)]
 
 
-def batch_stats(trajs: list[Trajectory], **extra) -> dict:
-    """Per-batch statistics for logs; `extra` (timings, the driver's own counters) is passed through."""
-    n = max(len(trajs), 1)
-    return {"trajectories": len(trajs),
-            "generated_tokens": sum(sum(t.loss_mask) for t in trajs),
-            "turns_mean": sum(t.num_turns for t in trajs) / n,
-            "tool_calls": sum(t.tool_calls for t in trajs),
-            "accuracy": sum(t.reward for t in trajs) / n,
-            **extra,
-            **{f"tool_{k}": sum(t.tool_failures.get(k, 0) for t in trajs) for k in FAILURE_KINDS},
-            **{f"finish_{r}": sum(t.finish_reason == r for t in trajs) for r in FINISH_REASONS}}
+def trajectory_metrics(trajs: list[Trajectory]) -> dict:
+    """What every script reports of a batch of trajectories (train.py's log, eval.py's table, the
+    drivers' stats). Rates are over the graded trajectories: those the sandbox failed are only counted."""
+    graded = [t for t in trajs if not t.sandbox_failed]
+    n = max(len(graded), 1)
+    calls = sum(t.tool_calls for t in graded)
+    correct_tool_users = [t for t in graded if t.correct and t.tool_calls]
+    lengths = [len(t.response_ids) for t in graded]
+    return {
+        "trajectories": len(trajs),
+        "sandbox_failures": len(trajs) - len(graded),
+        "accuracy": sum(t.correct for t in graded) / n,
+        "reward": sum(t.reward for t in graded) / n,
+        "response_length": sum(lengths) / n,
+        "response_length_max": max(lengths, default=0),
+        "generated_tokens": sum(sum(t.loss_mask) for t in trajs),
+        "truncated": sum(t.finish_reason == "length" for t in graded) / n,
+        "turns": sum(t.num_turns for t in graded) / n,
+        "void_turn_rate": sum(t.void_turns > 0 for t in graded) / n,  # trajectories with a void turn
+        "tool_use": sum(t.tool_calls > 0 for t in graded) / n,
+        "tool_calls": calls / n,
+        "tool_error_ratio": sum(t.num_tool_failures for t in graded) / max(calls, 1),
+        # GRPO-RoC's p_err on the correct trajectories that called the tool (the paper's Fig. 4)
+        "tool_error_ratio_pos": sum(min(1.0, t.num_tool_failures / t.tool_calls) for t in correct_tool_users)
+        / max(len(correct_tool_users), 1),
+    }
+
+
+def collapse_alarms(history: list[dict], row: dict, keys=("tool_calls", "turns")) -> list[str]:
+    """The metrics of this step's `row` that fell below half their running mean over the earlier
+    steps' rows (`history`): tool use collapsing, seen at the step it starts, not in the final eval."""
+    alarms = []
+    for key in keys:
+        past = [h[key] for h in history]
+        mean = sum(past) / max(len(past), 1)
+        if past and row[key] < 0.5 * mean:
+            alarms.append(f"{key} {row[key]:.2f} fell below half its running mean {mean:.2f}")
+    return alarms

@@ -36,8 +36,8 @@ import time
 from collections import deque
 
 from engine import kv_block_tokens, kv_capacity_tokens
-from rollout import (RolloutConfig, add_tool_turn, batch_stats, end_turn, finish, sampled, sampling_params,
-                     start_trajectories)
+from rollout import (RolloutConfig, add_tool_turn, end_turn, sampling_params, score, start_trajectories,
+                     trajectory_metrics, turn_tokens)
 
 
 class ProblemQueue:
@@ -82,7 +82,7 @@ def request_id(traj) -> str:
 
 def _whole_batch(trajs, problem_queue, sandbox):
     """Grade this rank's trajectories, then every rank's, sorted by problem and sample."""
-    finish(trajs, sandbox)
+    score(trajs, sandbox)
     return sorted(problem_queue.gather(trajs), key=lambda t: (t.index, t.sample))
 
 
@@ -93,12 +93,13 @@ def _whole_batch(trajs, problem_queue, sandbox):
 def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
                      problem_queue: ProblemQueue | None = None):
     """Turn k of every active trajectory of this rank's share, then all turn-k tool calls as one
-    sandbox batch, then turn k+1. Returns (the whole batch's trajectories, this rank's stats)."""
+    sandbox batch, then turn k+1. Returns (the whole batch's trajectories, stats: its
+    trajectory_metrics and this rank's seconds; tool_wait_seconds: the engine idle, waiting on tools)."""
     from tqdm import tqdm
     problem_queue = problem_queue or ProblemQueue()
     mine = problem_queue.share(len(problems))
     trajs = start_trajectories(tokenizer, problems[mine.start:mine.stop], n, offset=mine.start)
-    active, gen_s, tool_s, t_start = list(trajs), 0.0, 0.0, time.perf_counter()
+    active, gen_s, tool_wait_s, t_start = list(trajs), 0.0, 0.0, time.perf_counter()
     with tqdm(total=len(trajs), desc="rollouts", unit="traj", leave=False) as bar:
         while active:
             t0 = time.perf_counter()
@@ -111,19 +112,19 @@ def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, c
             gen_s += time.perf_counter() - t0
             calls = []
             for t in active:
-                call = end_turn(t, *sampled(outputs[request_id(t)].outputs[0]), tokenizer, cfg)
+                call = end_turn(t, *turn_tokens(outputs[request_id(t)].outputs[0]), tokenizer, cfg)
                 if call is not None:
                     calls.append((t, call))
             t0 = time.perf_counter()
             results = iter(sandbox.run_batch([call for _, call in calls if not isinstance(call, str)]))
             for t, call in calls:  # a parse error (a string) is its own tool output
                 add_tool_turn(t, call if isinstance(call, str) else next(results), tokenizer, cfg)
-            tool_s += time.perf_counter() - t0
+            tool_wait_s += time.perf_counter() - t0
             bar.update(sum(1 for t in active if t.finish_reason))
             active = [t for t in active if not t.finish_reason]
     trajs = _whole_batch(trajs, problem_queue, sandbox)
-    return trajs, batch_stats(trajs, gen_seconds=gen_s, tool_seconds=tool_s,
-                              wall_seconds=time.perf_counter() - t_start)
+    return trajs, dict(trajectory_metrics(trajs), gen_seconds=gen_s, tool_wait_seconds=tool_wait_s,
+                       wall_seconds=time.perf_counter() - t_start)
 
 
 # -----------------------------------------------------------------------------
@@ -133,7 +134,8 @@ def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, c
 def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
                       problem_queue: ProblemQueue | None = None):
     """Roll out n samples of every problem this rank pulls (1-3). Returns (the whole batch's
-    trajectories, stats: seconds are this rank's, counts the whole batch's)."""
+    trajectories, stats: its trajectory_metrics and this rank's seconds; tool_wait_seconds: the
+    engine idle, waiting on tools)."""
     from tqdm import tqdm
     problem_queue = problem_queue or ProblemQueue()
     kv_tokens = cfg.kv_budget or kv_capacity_tokens(engine)
@@ -142,7 +144,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
     waiting, running, live = deque(), {}, {}  # pulled-not-admitted; request id -> traj; admitted, unfinished
     trajs, in_tools, exhausted = [], 0, False
     grown, turns = 0, 0                  # (1) response tokens added by the batch's turns, and how many
-    gen_s = idle_s = kv_sum = 0.0
+    gen_s = tool_wait_s = kv_sum = 0.0
     steps, peak, finished_at, t_start = 0, 0, [], time.perf_counter()
     bar = tqdm(total=len(problems) * n, desc="rollouts", unit="traj", leave=False)
 
@@ -204,7 +206,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
                 if not out.finished:
                     continue
                 t = running.pop(out.request_id)
-                call = end_turn(t, *sampled(out.outputs[0]), tokenizer, cfg)
+                call = end_turn(t, *turn_tokens(out.outputs[0]), tokenizer, cfg)
                 grown, turns = grown + len(out.outputs[0].token_ids), turns + 1
                 if call is None:
                     done(t)
@@ -216,7 +218,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
         elif in_tools:
             t0 = time.perf_counter()
             item = results.get()                   # (2) nothing to step: block, don't spin
-            idle_s += time.perf_counter() - t0
+            tool_wait_s += time.perf_counter() - t0
             results.put(item)
         elif not waiting and exhausted:
             break
@@ -227,7 +229,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
     bar.close()
     trajs = _whole_batch(trajs, problem_queue, sandbox)
     finished_at.sort()
-    return trajs, batch_stats(
-        trajs, wall_seconds=time.perf_counter() - t_start, gen_seconds=gen_s, idle_seconds=idle_s,
-        peak_admitted=peak, kv_utilisation=kv_sum / max(steps, 1),
+    return trajs, dict(
+        trajectory_metrics(trajs), wall_seconds=time.perf_counter() - t_start, gen_seconds=gen_s,
+        tool_wait_seconds=tool_wait_s, peak_admitted=peak, kv_utilisation=kv_sum / max(steps, 1),
         straggler_seconds=finished_at[-1] - statistics.median(finished_at) if finished_at else 0.0)

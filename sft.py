@@ -5,7 +5,7 @@ tool call and instruction following, with the loss on assistant tokens only.
     torchrun --nproc_per_node=8 sft.py --model Qwen/Qwen3-14B-Base --data data/sft.jsonl
 
 1. Defaults are the paper's: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128.
-2. Conversations are rendered by rollout.render_messages: loss_mask = assistant tokens.
+2. Conversations are rendered by conversation.render_messages: loss_mask = assistant tokens.
 3. FSDP2 per decoder layer, rank 0 reading the weights (bf16 compute on GPU); `python sft.py` is a
    group of one (training.py).
 4. A step's batch is dealt across ranks and cut into micro-batches (training.plan_micro_batches).

@@ -4,27 +4,34 @@
    a timeout that fits RL (ranks wait minutes for each other's rollouts), and a gloo group for
    Python objects and waits, so that no rank ever waits inside an NCCL collective.
 2. The model: rank 0 reads the checkpoint, the other ranks build it on the meta device; FSDP2
-   shards every decoder layer, then the root (embeddings, final norm, head); the full weights go
-   from rank 0 into every rank's shards. bf16 compute with fp32 master weights and fp32 gradient
-   reduction on GPUs, fp32 throughout on CPUs.
-3. Micro-batches: one plan for a step's sequences. They are dealt longest first, each to the rank
-   with the fewest tokens so far; each rank's share is cut into micro-batches by a token budget;
-   every rank runs as many passes as the busiest (FSDP's collectives need all ranks in each one).
+   shards every decoder layer, then the root (embeddings, final norm, head). bf16 compute with
+   fp32 master weights and fp32 gradient reduction on GPUs, fp32 throughout on CPUs.
+3. Micro-batches: a step's sequences dealt longest first, each to the rank with the fewest tokens
+   so far, each share cut by a token budget; every rank runs as many passes as the busiest (FSDP's
+   collectives need all ranks in each one). Trajectories become the trainer's tensors here.
 4. Token log-probs: log p(token t+1 | tokens <= t) at every position, the numbers both losses use,
    computed over chunks of positions so that memory grows with the chunk, not tokens x vocabulary.
-5. Weights out: to the engine one parameter at a time; an HF export written by rank 0.
-6. Files: the check that an output folder is shared by every rank (checkpoints are written by all,
-   renamed by one).
+5. The HF export, written by rank 0 (the engine gets the weights through engine.full_weights).
+6. Checkpoints: sharded, written to step_N.tmp by every rank and renamed to step_N by rank 0 once
+   complete (a crash mid-write never leaves a broken step_N); the newest N kept; loaded with or
+   without the optimizer; the run's logs rewound to the checkpoint on resume.
+7. Files: the check that every rank sees the output folder (all write checkpoints, one renames).
 """
 import copy
 import datetime
+import glob
+import json
 import os
+import re
+import shutil
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
@@ -85,17 +92,21 @@ def shard_model(model, device):
 
 
 def load_sharded_model(path: str, device, activation_checkpointing: bool = False):
-    """The model at `path` in fp32, sharded. Only rank 0 reads the weights into host memory: a node
-    holds one full copy, not one per rank (8 x 59 GB at 14B). The others build the model on the
-    meta device (no memory); set_model_state_dict then broadcasts rank 0's weights into every
-    rank's shards. Buffers computed at construction (rotary frequencies) are broadcast too."""
+    """The model at `path` in fp32, sharded. Only rank 0 reads the weights (a node holds one full copy,
+    not one per rank: 8 x 59 GB at 14B); the others build it on the meta device, and rank 0's weights
+    and buffers (rotary frequencies) are broadcast into every rank's shards."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"cannot load the model {path!r}: {e}\n---> HINT: pass --model an HF checkpoint "
+                         f"folder or hub id (the toy world's: `python sft.py --preset toy` first)")
     if dist.get_rank() == 0:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         full_state = model.state_dict()
     else:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         full_state = {}
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -138,6 +149,20 @@ def right_pad(rows: list[list], value) -> torch.Tensor:
     """Rows of different lengths as one tensor, right-padded with `value`: (B, longest row)."""
     width = max(len(row) for row in rows)
     return torch.tensor([list(row) + [value] * (width - len(row)) for row in rows])
+
+
+def trajectory_tensors(trajs, pad_id: int, device):
+    """The trainer's view of rollout.Trajectory rows: (input_ids, attention_mask, loss_mask,
+    sampler_logp). The log-prob at position k scores token k + 1, so response token r sits at
+    position len(prompt) - 1 + r: the loss mask (0 on the prompt and on every tool turn) and the
+    sampler's log-probs are shifted by one against the ids."""
+    ids = [list(t.prompt_ids) + list(t.response_ids) for t in trajs]
+    shift = [len(t.prompt_ids) - 1 for t in trajs]
+    input_ids = right_pad(ids, pad_id)                                                        # (B, T)
+    attention_mask = right_pad([[1] * len(x) for x in ids], 0)                                # (B, T)
+    loss_mask = right_pad([[0] * k + list(t.loss_mask) for k, t in zip(shift, trajs)], 0)     # (B, T-1)
+    sampler_logp = right_pad([[0.0] * k + list(t.logprobs) for k, t in zip(shift, trajs)], 0.0)  # (B, T-1)
+    return tuple(x.to(device) for x in (input_ids, attention_mask, loss_mask, sampler_logp))
 
 
 def empty_pass(model, pad_id: int, device) -> None:
@@ -183,18 +208,7 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature):
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)    # (n,)
 
 # -----------------------------------------------------------------------------
-# (5) Weights out
-
-
-def full_weights(model, dtype):
-    """(HF name, full tensor in `dtype`) one parameter at a time, for the engine: each is gathered
-    from its FSDP2 shards and converted only when asked for, and nothing here keeps it after. Tied
-    weights go under both names (embed_tokens and lm_head): embed_tokens alone left vLLM 0.32's CPU
-    engine half-updated (tests/test_real.py syncs SmolLM2's tied pair)."""
-    for name, tensor in model.state_dict().items():
-        gathered = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        yield name, gathered.to(dtype)
-        del gathered  # (before the next one is gathered)
+# (5) The HF export
 
 
 def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32) -> None:
@@ -213,7 +227,76 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32) -> N
     dist.barrier(group=cpu_group())
 
 # -----------------------------------------------------------------------------
-# (6) Files
+# (6) Checkpoints
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """The step_N folders under `root` that hold their meta.json (written last), oldest first."""
+    done = [d for d in glob.glob(os.path.join(root, "step_*"))
+            if not d.endswith(".tmp") and os.path.exists(os.path.join(d, "meta.json"))]
+    return sorted(done, key=lambda d: int(d.rsplit("_", 1)[1]))
+
+
+def save_checkpoint(model, optimizer, root: str, step: int, meta: dict, keep: int = 0) -> None:
+    """Write step_N (model, optimizer, `meta` + the step); keep the newest `keep` (0: all). Every rank
+    calls it: each writes its shards."""
+    final = os.path.join(root, f"step_{step}")
+    tmp = final + ".tmp"
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=tmp)
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(dict(meta, step=step), f)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(root)[:-keep] if keep else []:
+            shutil.rmtree(old)
+    dist.barrier(group=cpu_group())
+
+
+def load_checkpoint(model, optimizer, path: str, with_optimizer: bool = True) -> dict:
+    """Load a checkpoint folder (step_N) into the sharded model and, `with_optimizer`, the optimizer;
+    returns its meta. Without the optimizer nothing of it is read and `optimizer` stays as it is
+    (dcp.load fills in place exactly the entries asked for: asking for the optimizer's state would
+    overwrite a fresh optimizer's moments and step count even if it were never set)."""
+    state = {"model": get_model_state_dict(model)}
+    if with_optimizer:  # (materialises the optimizer's state: one zero step of AdamW, torch 2.13)
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    if with_optimizer:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def find_checkpoint(path: str) -> str:
+    """`path` itself if it is a checkpoint (step_N), else the newest complete one in it; says what
+    it did not find otherwise."""
+    if os.path.exists(os.path.join(path, "meta.json")):
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"{path}: no complete checkpoint (a step_N folder with its meta.json)\n"
+                                f"---> HINT: pass the earlier run's checkpoints folder, e.g. runs/stage1/"
+                                f"checkpoints; a run always checkpoints its last step, so an empty folder "
+                                f"means the run did not finish: resume it with --resume 1")
+    return found[-1]
+
+
+def rewind_logs(out_dir: str, step: int) -> None:
+    """Drop what a run logged after `step` (rank 0, at resume): the metrics.jsonl rows and samples.txt
+    trajectories of steps whose update was lost with the crash, so each step is logged once."""
+    for name, record in (("metrics.jsonl", r'\{"step": '), ("samples.txt", "===== step ")):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                records = re.split(f"(?m)^(?={record})", f.read())  # a row, or a trajectory
+            kept = [r for r in records if r and int(re.match(record + r"(\d+)", r).group(1)) <= step]
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+
+# -----------------------------------------------------------------------------
+# (7) Files
 
 
 def check_shared_dir(path: str) -> None:

@@ -5,7 +5,9 @@ import math
 
 import pytest
 
+import rollout
 from eval import benchmark_path, benchmark_row, format_table, main, pass_at_k, select_unsolved, short_names, table_ks
+from rollout import Trajectory, score
 
 
 def pass_at_k_by_enumeration(n, c, k):
@@ -40,10 +42,13 @@ def test_table_ks_are_powers_of_two_up_to_n_and_n():
 
 
 def graded(pass_counts, k):
-    """Fixture: problem i has k samples of which pass_counts[i] are correct (correct ones last)."""
-    return [{"problem": i, "reward": float(s >= k - c), "tool_calls": s % 3, "tool_failures": {"error": s % 2},
-             "response_tokens": 10 * (s + 1), "finish_reason": "length" if s == 0 else "answer"}
-            for i, c in enumerate(pass_counts) for s in range(k)]
+    """Problem i has k graded samples of which pass_counts[i] are correct (correct ones last)."""
+    trajs = [Trajectory(index=i, sample=s, answer="1" if s >= k - c else "2", gold="1", tool_calls=s % 3,
+                        tool_failures={"error": s % 2}, response_ids=[0] * 10 * (s + 1),
+                        finish_reason="max_turns" if s == 0 else "answer")
+             for i, c in enumerate(pass_counts) for s in range(k)]
+    score(trajs, sandbox=None)
+    return trajs
 
 
 def test_filter_keeps_exactly_the_problems_below_k_of_k():
@@ -62,11 +67,34 @@ def test_table_row_numbers_follow_from_the_samples():
     assert (row["problems"], row["samples"]) == (3, 12)
     assert math.isclose(row["avg_pass@1"], 6 / 12)
     assert math.isclose(row["pass@2"], (1 + 0 + pass_at_k(4, 2, 2)) / 3) and math.isclose(row["pass@4"], 2 / 3)
-    assert math.isclose(row["response_tokens"], 25.0)            # 10, 20, 30, 40 per problem
+    assert math.isclose(row["response_length"], 25.0)            # 10, 20, 30, 40 per problem
     assert math.isclose(row["tool_calls"], (0 + 1 + 2 + 0) / 4)
     assert math.isclose(row["tool_error_ratio"], 2 / 3), "failed calls / calls (s=1,3 fail; calls 0+1+2+0)"
-    assert math.isclose(row["truncated"], 1 / 4) and math.isclose(row["tool_use_rate"], 2 / 4)
+    assert row["truncated"] == 0 and math.isclose(row["tool_use"], 2 / 4)
     assert "pass@4" in format_table([row]).splitlines()[0]
+
+
+def test_a_shaped_reward_leaves_accuracy_pass_at_k_and_the_filter_unchanged(monkeypatch):
+    counts = [4, 0, 2, 3]
+    problems = [{"question": f"q{i}", "answer": "1"} for i in range(len(counts))]
+    paper = graded(counts, 4)
+    # a fork's reward shaping: a penalty for each tool call, edited in the one place the reward is made
+    monkeypatch.setattr(rollout, "reward", lambda t: float(t.correct) - 0.1 * t.tool_calls)
+    shaped = graded(counts, 4)
+    assert [t.reward for t in shaped] != [t.reward for t in paper], "the shaping did not reach the reward"
+    assert benchmark_row("toy", shaped, 4) == benchmark_row("toy", paper, 4), "shaping changed the table"
+    assert select_unsolved(problems, shaped, 4) == select_unsolved(problems, paper, 4) == problems[1:]
+
+
+def test_samples_the_sandbox_failed_are_counted_apart_and_never_scored():
+    trajs = graded([2, 1], 2)
+    trajs[3].sandbox_failed = True                  # problem 1's correct sample: the check did not finish
+    row = benchmark_row("toy", trajs, 2)
+    assert row["sandbox_failures"] == 1 and row["samples"] == 4
+    assert math.isclose(row["avg_pass@1"], 2 / 3), "a failed sample must be left out, not scored 0"
+    assert math.isclose(row["pass@2"], (1 + 0) / 2), "pass@k over the problem's scored samples only"
+    problems = [{"question": "a", "answer": "1"}, {"question": "b", "answer": "1"}]
+    assert select_unsolved(problems, trajs, 2) == problems[1:], "an unfinished check is not a k/k solve"
 
 
 def test_benchmarks_are_named_files_or_paths_and_a_missing_one_says_what_to_do(tmp_path):
@@ -86,7 +114,7 @@ def test_toy_evaluation_table_matches_its_samples_and_files_are_written(toy_engi
     too_long = json.dumps({"question": "What is " + "1" * 5000 + " + 1?", "answer": "2"})  # 5000+ tokens
     (tmp_path / "b.jsonl").write_text("\n".join(lines[10:] + [too_long]) + "\n")
     out = tmp_path / "results"
-    rows, samples = main(["--model", str(toy_sft_model), "--benchmarks", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
+    rows, samples, _ = main(["--model", str(toy_sft_model), "--benchmarks", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
                           "--n", "4", "--max-response", "512", "--max-turns", "10", "--out-dir", str(out)], llm=toy_engine)
     printed = capsys.readouterr().out
     with capsys.disabled():
@@ -100,14 +128,14 @@ def test_toy_evaluation_table_matches_its_samples_and_files_are_written(toy_engi
         assert r["samples"] == len(mine) == 4 * r["problems"]
         assert all(s["gold"] == json.loads(lines[first + s["problem"]])["answer"] for s in mine), \
             "samples must map back to their own problem"
-        assert math.isclose(r["avg_pass@1"], sum(s["reward"] for s in mine) / len(mine)), "avg pass@1 must be the mean reward"
+        assert math.isclose(r["avg_pass@1"], sum(s["correct"] for s in mine) / len(mine)), "avg pass@1: share correct"
         assert r["avg_pass@1"] <= r["pass@2"] <= r["pass@4"] <= 1.0, "pass@k must grow with k"
-        solved_any = len({s["problem"] for s in mine if s["reward"] == 1.0})
+        solved_any = len({s["problem"] for s in mine if s["correct"]})
         assert math.isclose(r["pass@4"], solved_any / r["problems"]), "pass@n must be the share solved at least once"
-        assert math.isclose(r["response_tokens"], sum(s["response_tokens"] for s in mine) / len(mine))
+        assert math.isclose(r["response_length"], sum(s["response_tokens"] for s in mine) / len(mine))
         assert math.isclose(r["truncated"], sum(s["finish_reason"] == "length" for s in mine) / len(mine))
-        assert math.isclose(r["tool_use_rate"], sum(s["tool_calls"] > 0 for s in mine) / len(mine))
-    assert sum(s["reward"] for s in samples) > 0, "the SFT'd toy model should solve some problems"
+        assert math.isclose(r["tool_use"], sum(s["tool_calls"] > 0 for s in mine) / len(mine))
+    assert sum(s["correct"] for s in samples) > 0, "the SFT'd toy model should solve some problems"
     assert sum(s["tool_calls"] for s in samples) > 0, "the SFT'd toy model should call the tool"
     saved = json.loads((out / "table.json").read_text())
     assert saved["table"] == rows and saved["config"]["n"] == 4
@@ -117,8 +145,8 @@ def test_toy_evaluation_table_matches_its_samples_and_files_are_written(toy_engi
     # the stage-3 filter through the CLI: original fields kept, exactly the problems below K/K
     train = [{**json.loads(x), "id": f"p{i}"} for i, x in enumerate(lines[:8])]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in train))
-    _, graded_samples = main(["--model", str(toy_sft_model), "--filter-solved", "2", "--data", str(tmp_path / "train.jsonl"),
+    _, graded_samples, trajs = main(["--model", str(toy_sft_model), "--filter-solved", "2", "--data", str(tmp_path / "train.jsonl"),
                               "--out", str(tmp_path / "hard.jsonl"), "--max-response", "512"], llm=toy_engine)
     hard = [json.loads(x) for x in (tmp_path / "hard.jsonl").read_text().splitlines()]
-    assert len(graded_samples) == 16 and hard == select_unsolved(train, graded_samples, 2)
+    assert len(graded_samples) == 16 and hard == select_unsolved(train, trajs, 2)
     assert f"removed {8 - len(hard)} of 8" in capsys.readouterr().out

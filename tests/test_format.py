@@ -291,7 +291,7 @@ def test_untrusted_text_never_becomes_a_control_token(qwen3_tokenizer):
 
 
 def test_a_turn_ending_with_any_of_the_models_eos_ids_is_finished(qwen3_tokenizer, tmp_path):
-    from rollout import RolloutConfig, Trajectory, end_turn, end_of_turn_ids, finish, model_eos_ids
+    from rollout import RolloutConfig, Trajectory, end_turn, end_of_turn_ids, model_eos_ids, score
     from transformers import GenerationConfig
     tok = qwen3_tokenizer
     GenerationConfig(eos_token_id=151643).save_pretrained(tmp_path)  # a Qwen3 base model's
@@ -300,7 +300,7 @@ def test_a_turn_ending_with_any_of_the_models_eos_ids_is_finished(qwen3_tokenize
     turn = tok.encode("17 * 23 = 391.</reason><answer>\\boxed{391}</answer>", add_special_tokens=False)
     traj = Trajectory(index=0, gold="391")
     assert end_turn(traj, turn + [151643], [0.0] * (len(turn) + 1), tok, cfg) is None
-    finish([traj], sandbox=None)
+    score([traj], sandbox=None)
     assert (traj.finish_reason, traj.reward) == ("answer", 1.0), \
         "a turn ended by <|endoftext|> was taken as truncated: a correct answer got reward 0"
     cut = Trajectory(index=1, gold="391")

@@ -55,3 +55,13 @@ def test_no_two_files_share_a_name():
         by_name.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
     shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
     assert not shared, f"files sharing a module name: {shared}; rename the script"
+
+
+def test_every_document_the_code_cites_is_in_the_repository():
+    """A citation a reader cannot follow is worse than none: every `.md` a .py file names must exist
+    (relative to the repository's root)."""
+    import re
+    sources = FILES + sorted((ROOT / "tests").glob("*.py"))
+    missing = [f"{path.relative_to(ROOT)} cites {cited}" for path in sources
+               for cited in re.findall(r"[\w./-]+\.md\b", path.read_text()) if not (ROOT / cited).exists()]
+    assert not missing, "cited documents that the repository does not have: " + "; ".join(missing)

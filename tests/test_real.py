@@ -20,8 +20,8 @@ import torch
 
 from conversation import (CHAT_TEMPLATE, encode, format_tool_response, prompt_ids, render_messages,
                           tool_turn_pieces)
-from rollout import (FINISH_REASONS, RolloutConfig, Trajectory, add_tool_turn, end_turn, finish,
-                     model_eos_ids, sampled, sampling_params)
+from rollout import (FINISH_REASONS, RolloutConfig, Trajectory, add_tool_turn, end_turn, score,
+                     model_eos_ids, sampling_params, turn_tokens)
 from scheduler import request_id
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def roll_out(engine, tokenizer, sandbox, trajs, cfg) -> dict[int, list[str]]:
             outputs.update((out.request_id, out) for out in engine.step() if out.finished)
         calls = []
         for t in active:
-            call = end_turn(t, *sampled(outputs[request_id(t)].outputs[0]), tokenizer, cfg)
+            call = end_turn(t, *turn_tokens(outputs[request_id(t)].outputs[0]), tokenizer, cfg)
             if call is not None:
                 calls.append((t, call))
         results = iter(sandbox.run_batch([call for _, call in calls if not isinstance(call, str)]))
@@ -105,7 +105,7 @@ def roll_out(engine, tokenizer, sandbox, trajs, cfg) -> dict[int, list[str]]:
                     result = format_tool_response(result, cfg.max_tool_chars)
                 shown[t.index].append(result)
         active = [t for t in active if not t.finish_reason]
-    finish(trajs, sandbox)
+    score(trajs, sandbox)
     return shown
 
 
@@ -210,7 +210,7 @@ def test_weight_sync_of_tied_embeddings_changes_the_samples_and_syncing_back_res
         smollm2_engine, smollm2_model_dir, toy_world):
     from transformers import AutoModelForCausalLM
     from engine import sync_weights
-    from training import full_weights
+    from engine import full_weights
     tokenizer = smollm2_engine.get_tokenizer()
     lines = (toy_world / "test.jsonl").read_text().splitlines()[:3]
     prompts = [prompt_ids(tokenizer, json.loads(line)["question"]) for line in lines]
@@ -257,9 +257,9 @@ def test_eval_of_smollm2_writes_a_table_and_samples_that_agree(smollm2_engine, s
     assert all(s["text"] and s["finish_reason"] in FINISH_REASONS for s in samples)
     assert all(0 < s["response_tokens"] <= 64 for s in samples), "the response budget was not kept"
     assert 0.0 <= row["avg_pass@1"] <= 1.0
-    assert row["avg_pass@1"] == pytest.approx(sum(s["reward"] for s in samples) / 4), \
-        "avg pass@1 must be the mean reward"
-    assert row["response_tokens"] == pytest.approx(sum(s["response_tokens"] for s in samples) / 4)
+    assert row["avg_pass@1"] == pytest.approx(sum(s["correct"] for s in samples) / 4), \
+        "avg pass@1 must be the share of correct samples"
+    assert row["response_length"] == pytest.approx(sum(s["response_tokens"] for s in samples) / 4)
     assert json.loads((out / "eval_config.json").read_text())["max_response"] == 64
 
 

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from conversation import IM_END, format_tool_response, render_tool_call, render_tool_turn
-from rollout import RolloutConfig, Trajectory, add_tool_turn, end_turn, finish, start_trajectories
+from rollout import RolloutConfig, Trajectory, add_tool_turn, end_turn, score, start_trajectories
+from sandbox import SANDBOX_FAILURE
 from sandbox import ExecResult
 
 
@@ -111,8 +112,27 @@ def test_truncated_trajectory_gets_reward_zero_even_with_a_right_answer(tok):
     good, cut = fresh(tok), fresh(tok)
     turn(tok, good, ANSWER, cfg)
     turn(tok, cut, "Done.</reason>\n<answer>\\boxed{408}</answer> and more", cfg)
-    finish([good, cut], sandbox=None)
+    score([good, cut], sandbox=None)
     assert (good.reward, cut.reward) == (1.0, 0.0) and cut.finish_reason == "length"
+    assert good.correct and cut.correct, "grading says whether the answer is right; the reward adds the rest"
+
+
+def test_a_sandbox_failure_ends_the_trajectory_marked_and_is_not_the_models_tool_error(tok):
+    cfg, traj = RolloutConfig(), fresh(tok)
+    turn(tok, traj, CALL, cfg)
+    n = len(traj.response_ids)
+    add_tool_turn(traj, ExecResult(SANDBOX_FAILURE, "", "worker died", 0.0, False), tok, cfg)
+    assert traj.sandbox_failed and traj.finish_reason == "sandbox_failure"
+    assert traj.num_tool_failures == 0, "the sandbox's failure was counted as the model's failed tool call"
+    assert len(traj.response_ids) == n, "no tool turn may be made up for a call the sandbox lost"
+
+
+def test_a_turn_with_neither_a_tool_call_nor_an_answer_is_void(tok):
+    cfg, void, answered = RolloutConfig(), fresh(tok), fresh(tok)
+    turn(tok, void, "I do not know.</reason>" + IM_END, cfg)
+    turn(tok, answered, CALL, cfg)
+    turn(tok, answered, ANSWER, cfg)
+    assert (void.void_turns, answered.void_turns) == (1, 0)
 
 
 # -- real rollouts on vLLM with the SFT'd toy model -----------------------------------
@@ -296,7 +316,7 @@ def test_an_infinite_loop_costs_one_timeout_not_the_batch(toy_engine, sandbox, p
                                     RolloutConfig(max_response=512))
     assert sum(t.tool_failures.get("timeout", 0) for t in trajs) == 1, "only the looping call may time out"
     assert all(t.finish_reason for t in trajs)
-    assert stats["tool_seconds"] < 2 * sandbox.timeout + 5, "the loop must cost one timeout, not more"
+    assert stats["tool_wait_seconds"] < 2 * sandbox.timeout + 5, "the loop must cost one timeout, not more"
 
 
 # -- the engine's size does not depend on the machine ------------------------------------------

@@ -61,7 +61,7 @@ def test_two_steps_learn_and_the_engine_samples_with_the_new_weights(tmp_path, t
     assert "<tool_call>" in (tmp_path / "samples.txt").read_text()
 
 
-def test_resume_continues_exactly_and_a_next_stage_continues_the_data(tmp_path, straight, toy_sft_model, toy_world):
+def test_resume_continues_exactly_and_logs_each_step_once(tmp_path, straight, toy_sft_model, toy_world):
     data = toy_world / "train.jsonl"
     straight_out, straight_rows = straight
     assert os.listdir(straight_out / "checkpoints") == ["step_2"], "--keep-checkpoints 1 keeps the newest only"
@@ -73,16 +73,62 @@ def test_resume_continues_exactly_and_a_next_stage_continues_the_data(tmp_path, 
     (broken / "half.distcp").write_bytes(b"\0" * 100)
     no_meta = tmp_path / "checkpoints" / "step_7"               # a folder without its meta.json
     no_meta.mkdir()
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # a step logged, then lost with the crash
+        f.write(json.dumps({"step": 2, "lost": True}) + "\n")
     rows = train(tmp_path, toy_sft_model, data, "--steps", "2", "--driver", "lockstep", "--resume", "1")
-    assert [r["step"] for r in rows] == [1, 2], "the resumed run must continue at step 2"
-    assert rows[1]["accuracy"] == straight_rows[1]["accuracy"], "step 2 rolled out differently after resume"
+    assert [r["step"] for r in rows] == [1, 2], "each step must be logged once: rows after the checkpoint go"
+    assert "lost" not in rows[1] and rows[1]["accuracy"] == straight_rows[1]["accuracy"], \
+        "step 2 rolled out differently after resume"
     diff = max_diff(weights(tmp_path / "final"), weights(straight_out / "final"))
     assert diff < 1e-5, f"resumed run ends {diff:.2e} away from the straight run"
-    # the next stage starts from the last checkpoint and goes on in the same data stream
+
+
+def adam_step_count(checkpoint) -> int:
+    """AdamW's step count saved in a checkpoint folder (read back from its shards)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(checkpoint), str(checkpoint) + ".pt")
+    state = torch.load(str(checkpoint) + ".pt", weights_only=False)["optim"]["state"]
+    steps = {int(s["step"]) for s in state.values()}
+    assert len(steps) == 1, f"parameters at different AdamW steps: {steps}"
+    return steps.pop()
+
+
+def test_the_three_stage_recipe_hands_over_model_optimizer_data_and_the_hard_problems(tmp_path, toy_sft_model,
+                                                                                      toy_world):
+    """SFT model -> stage 1 -> stage 2 (--init-from) -> eval.py --filter-solved -> stage 3 (--init-from,
+    a fresh optimizer, the filtered file), each as a command, as the README's recipe runs them."""
+    data = toy_world / "train.jsonl"
     printed = []
-    train(tmp_path / "next", toy_sft_model, data, "--steps", "1", "--init-from", str(straight_out / "checkpoints"),
-          stdout=printed)
-    assert "initialised from" in printed[0] and "step_2" in printed[0] and "data position 16" in printed[0]
+    one = train(tmp_path / "s1", toy_sft_model, data, "--stage", "1", "--steps", "2", "--save-every", "0")
+    two = train(tmp_path / "s2", toy_sft_model, data, "--stage", "2", "--steps", "1", "--save-every", "0",
+                "--init-from", str(tmp_path / "s1" / "checkpoints"), stdout=printed)
+    assert "step_2" in printed[0] and "data position 16" in printed[0], "stage 2 must go on in stage 1's stream"
+    for out, steps in [("s1", 2), ("s2", 1)]:
+        assert (tmp_path / out / "checkpoints" / f"step_{steps}" / "meta.json").exists(), "last step not saved"
+        assert (tmp_path / out / f"hf_step_{steps}" / "model.safetensors").exists(), "last step not exported"
+    assert adam_step_count(tmp_path / "s2" / "checkpoints" / "step_1") == 3, "stage 2 must continue the optimizer"
+
+    lines = data.read_text().splitlines()[:12]
+    (tmp_path / "pool.jsonl").write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "eval.py", "--model", str(tmp_path / "s2" / "final"), "--filter-solved",
+                           "2", "--data", str(tmp_path / "pool.jsonl"), "--out", str(tmp_path / "hard.jsonl"),
+                           "--max-response", "256", "--out-dir", str(tmp_path / "verdicts")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdicts = [json.loads(x) for x in (tmp_path / "verdicts" / "samples.jsonl").read_text().splitlines()]
+    solved = {i for i in range(12) if sum(s["correct"] for s in verdicts if s["problem"] == i) == 2}
+    hard = (tmp_path / "hard.jsonl").read_text().splitlines()
+    assert hard == [x for i, x in enumerate(lines) if i not in solved], "the filter must keep exactly the unsolved"
+    assert 0 < len(hard), "the toy model should leave some problems unsolved 2/2"
+
+    printed = []
+    three = train(tmp_path / "s3", toy_sft_model, tmp_path / "hard.jsonl", "--stage", "3", "--steps", "1",
+                  "--save-every", "0", "--init-from", str(tmp_path / "s2" / "checkpoints"), stdout=printed)
+    assert f"data: {len(hard)} problems from {tmp_path / 'hard.jsonl'}" in printed[0]
+    assert "(fresh optimizer); data position 0" in printed[0], "stage 3 starts its new file from the top"
+    assert adam_step_count(tmp_path / "s3" / "checkpoints" / "step_1") == 1, "stage 3's optimizer was not fresh"
+    assert (tmp_path / "s3" / "final" / "model.safetensors").exists()
+    assert [len(one), len(two), len(three)] == [2, 1, 1]
 
 
 def test_several_optimizer_steps_clip_and_two_ranks_train_like_one(tmp_path, toy_sft_model, toy_world):

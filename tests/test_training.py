@@ -239,7 +239,7 @@ def test_no_tensor_of_a_training_step_outlives_it(sharded_model):
 
 def test_the_engine_gets_the_weights_one_parameter_at_a_time(sharded_model):
     import gc
-    from training import full_weights
+    from engine import full_weights
     names = list(sharded_model.state_dict())
     previous = None
     for count, (name, tensor) in enumerate(full_weights(sharded_model, torch.bfloat16), 1):
@@ -249,3 +249,65 @@ def test_the_engine_gets_the_weights_one_parameter_at_a_time(sharded_model):
         previous = __import__("weakref").ref(tensor)
         del tensor
     assert count == len(names)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: save, keep, load with or without the optimizer, find, and the logs rewound at resume
+
+def adam_steps(optimizer) -> set[int]:
+    """The step counts of an AdamW's per-parameter states (empty set: a fresh optimizer)."""
+    return {int(s["step"]) for s in optimizer.state.values()}
+
+
+def trained_steps(model, optimizer, n):
+    for _ in range(n):
+        ids = torch.randint(0, 8192, (1, 16))
+        token_logprobs(model, ids, torch.ones_like(ids)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_fresh_optimizer_stays_fresh_and_a_continued_one_continues(sharded_model, tmp_path):
+    from training import load_checkpoint, save_checkpoint, shard_model
+    optimizer = torch.optim.AdamW(sharded_model.parameters(), lr=1e-3)
+    trained_steps(sharded_model, optimizer, 4)
+    save_checkpoint(sharded_model, optimizer, str(tmp_path), 4, {"position": 7})
+    saved = {k: v.clone() for k, v in sharded_model.state_dict().items()}
+
+    model = shard_model(random_model(layers=2, seed=1), torch.device("cpu"))
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meta = load_checkpoint(model, fresh, str(tmp_path / "step_4"), with_optimizer=False)
+    assert meta["step"] == 4 and meta["position"] == 7
+    assert all(torch.equal(v.full_tensor(), saved[k].full_tensor()) for k, v in model.state_dict().items())
+    assert adam_steps(fresh) == set(), "a fresh optimizer was filled in with the saved one's state"
+    trained_steps(model, fresh, 1)
+    assert adam_steps(fresh) == {1}, "--reset-optimizer: the first step of the new stage must be AdamW's first"
+
+    continued = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_checkpoint(model, continued, str(tmp_path / "step_4"), with_optimizer=True)
+    trained_steps(model, continued, 1)
+    assert adam_steps(continued) == {5}, "a continued optimizer must go on from the saved step count"
+
+
+def test_checkpoints_are_kept_newest_first_and_a_missing_one_says_what_to_do(sharded_model, tmp_path):
+    from training import complete_checkpoints, find_checkpoint, save_checkpoint
+    optimizer = torch.optim.AdamW(sharded_model.parameters())
+    for step in (1, 2, 3):
+        save_checkpoint(sharded_model, optimizer, str(tmp_path / "ckpt"), step, {}, keep=2)
+    assert [os.path.basename(c) for c in complete_checkpoints(str(tmp_path / "ckpt"))] == ["step_2", "step_3"]
+    assert find_checkpoint(str(tmp_path / "ckpt")).endswith("step_3")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint(.|\n)*HINT"):
+        find_checkpoint(str(tmp_path / "empty"))
+
+
+def test_resuming_drops_what_was_logged_after_the_checkpoint(tmp_path):
+    from training import rewind_logs
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    (tmp_path / "samples.txt").write_text("".join(f"===== step {s} problem 0 sample 0 reward 1.0 (answer) =====\n"
+                                                  f"text of {s}\n===== step {s} problem 1 sample 0 reward 0.0 "
+                                                  f"(length) =====\nmore\n" for s in (1, 2, 3)))
+    rewind_logs(str(tmp_path), 2)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    samples = (tmp_path / "samples.txt").read_text()
+    assert samples.count("===== step") == 4 and "step 3" not in samples and "text of 2\n" in samples
