@@ -30,11 +30,14 @@ def as_number(text: str) -> int | float | None:
     return float(s) if fraction.strip("0") else int(whole)
 
 
-def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[float]:
-    """Rewards for a batch. Plain numbers are compared exactly here; math-verify decides the rest, in one
-    batch in the sandbox's workers (under their hard timeout). Without a sandbox it runs in this process:
-    fine for scripts and tests, but in training pass the sandbox, so that a pathological answer cannot hang
-    the trainer."""
+def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[float | None]:
+    """Verdicts for a batch: 1.0 (equivalent) or 0.0 (not, or no answer); None where the check did not
+    complete because the sandbox failed (sandbox.SANDBOX_FAILURE: a worker died or hung), which says nothing
+    about the answer: the caller must not score it 0 (rollout.score leaves such a sample out). An answer
+    that makes the check fail (error, timeout) scores 0.0. Plain numbers are compared exactly here;
+    math-verify decides the rest, in one batch in the sandbox's workers (under their hard timeout). Without
+    a sandbox it runs in this process (never None): fine for scripts and tests, but in training pass the
+    sandbox, so that a pathological answer cannot hang the trainer."""
     rewards, undecided = [0.0] * len(answers), []
     for i, (answer, gold) in enumerate(zip(answers, golds)):
         if answer is None:
@@ -52,5 +55,5 @@ def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[flo
             from math_verify import parse, verify
             verdicts = [verify(parse("\\boxed{" + g + "}"), parse("\\boxed{" + a + "}")) for a, g in pairs]
         for i, ok in zip(undecided, verdicts):
-            rewards[i] = float(ok)
+            rewards[i] = None if ok is None else float(ok)
     return rewards

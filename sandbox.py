@@ -5,32 +5,34 @@ and "full" (also numpy, sympy, math-verify, warmed up). A call runs in a fresh c
 its code names a module only "full" has, else from "light" (less memory: faster forks).
 
 Guaranteed (each has an adversarial test in tests/test_sandbox.py):
-  1. Nothing the code does raises in the caller: an ExecResult says ok, error, timeout, oom or killed.
+  1. Nothing the code does raises in the caller; its ExecResult's status says ok, error, timeout or oom.
   2. At `timeout` seconds (wall clock) every process of the call is killed, setsid grandchildren included.
   3. Address space is capped at `memory_mb` above the worker's own; MemoryError -> "oom".
   4. stdout keeps its first `max_output` characters, stderr its last (`truncated` if cut); no file > 16 MB.
   5. Each call is a new process in a new empty directory (removed after it) with new random seeds:
      nothing set in one call (files, SysV IPC objects, globals) is visible in the next.
   6. The caller's environment variables (tokens, keys) are not visible.
-  7. A worker that dies is replaced (its call: "killed"); start-up waits while workers use CPU, else raises.
+  7. A call whose worker died, hung (silent past timeout + GRACE s), could not start or was closed returns
+     SANDBOX_FAILURE; the worker is replaced. Start-up waits while workers use CPU, else raises.
 As root, where the kernel allows namespaces (`Sandbox.isolation` says what held), also:
   8. Calls run as an unprivileged uid (one per slot; never 0 nor the caller's), no_new_privs, at most 64
-     processes: fork bombs stop, and a call cannot signal the trainer or the tests.
+     processes: fork bombs stop, and a call cannot signal its worker, the trainer or the tests.
   9. No network: no interface is up in the workers' network namespace.
- 10. All mounts are read-only, /tmp is a fresh tmpfs: a call can write only inside its own directory.
-Not guaranteed: 8-10 without root or namespaces. A call can read world-readable files, list /proc, burn CPU
-until its timeout; its uid's keyrings and POSIX queues outlive it; it imports only what its worker imported.
+ 10. All mounts are read-only but a fresh tmpfs: a call writes only in its own directory, <= 10,000 files.
+Not guaranteed: 8-10 without root or namespaces (there a call that kills or stops its worker, or leaves
+too many files to remove in GRACE, gets SANDBOX_FAILURE). A call can read world-readable files, list /proc,
+burn CPU to its timeout; its uid's keyrings and POSIX queues outlive it; it imports only its worker's modules.
 """
 import ast, builtins, collections, contextlib, ctypes, itertools, linecache, marshal, os, random, re
 import resource, select, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, types
 from concurrent.futures import ThreadPoolExecutor
 
+SANDBOX_FAILURE = "sandbox_failure"  # a call's status when the sandbox failed, not the code: see 7 above
 OOM_EXIT = 101  # the child's exit code for MemoryError
+GRACE = 10.0  # seconds past a call's timeout for its worker to clean up and reply: then it is hung
 STALLED = 60.0  # a starting worker that uses no CPU for this long (seconds) is stuck: see _ask
 LIBC = ctypes.PyDLL(None, use_errno=True)  # PyDLL: calls keep the GIL (see the fork in _call)
 ExecResult = collections.namedtuple("ExecResult", ["status", "stdout", "stderr", "seconds", "truncated"])
-# A worker's settings, the first message on its stdin (uid: the calls', as root; never 0 nor the caller's)
-WorkerConfig = collections.namedtuple("WorkerConfig", ["kind", "uid", "timeout", "memory_mb", "max_output"])
 _slots = itertools.count()  # slot numbers, unique within this process
 # An answer check runs confined, like the model's code; \boxed{} makes "3/4", "\frac{3}{4}", "0.75" parse.
 VERIFY = """from math_verify import parse, verify
@@ -40,25 +42,26 @@ print(bool(gold and answer and verify(gold, answer)))"""
 # --- Caller side: a pool of threads, one per worker slot, each talking to its slot's two workers ---
 
 
-def default_workers(affinity, cpu_max, ranks):
-    """Workers per rank: the usable cores (`affinity` CPUs, capped by a cgroup v2 `cpu.max` quota: "200000
-    100000" is 2, "max ..." none) over the node's `ranks`, less one per rank for its trainer and engine."""
-    quota, period = cpu_max.split()
-    cores = affinity if quota == "max" else min(affinity, int(quota) // int(period))
+def default_workers(cores, ranks, cgroup="/sys/fs/cgroup"):
+    """Workers per rank: the usable cores (`cores` CPUs, capped by the CPU quota in the `cgroup` directory:
+    v2's cpu.max "200000 100000" is 2 cores, "max ..." none; v1's cpu/cpu.cfs_quota_us over cpu.cfs_period_us,
+    -1 none) over the node's `ranks`, less one per rank for its trainer and engine."""
+    for files in ["cpu.max"], ["cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us"]:  # (cpu: often cpu,cpuacct)
+        with contextlib.suppress(OSError):  # (no such file: not this format)
+            quota, period = " ".join(open(f"{cgroup}/{name}").read() for name in files).split()
+            cores = cores if quota in ("max", "-1") else min(cores, int(quota) // int(period))
     return max(1, cores // ranks - 1)
 
 
 class Sandbox(contextlib.AbstractContextManager):  # (its __enter__ returns the sandbox)
     def __init__(self, workers=None, timeout=5.0, memory_mb=1024, max_output=1000):
         self.timeout = timeout
-        self._config = WorkerConfig(None, None, timeout, memory_mb, max_output)  # (kind, uid: per worker)
+        self._config = dict(timeout=timeout, memory_mb=memory_mb, max_output=max_output)  # (+ kind, uid)
         self._procs = {}  # (uid, kind) -> its worker
         self._modules = {}  # kind -> its workers' modules: code naming one only "full" has runs there
         self._closed = False
-        quota = "/sys/fs/cgroup/cpu.max"  # (in a container, the container's own)
-        cpu_max = open(quota).read() if os.path.exists(quota) else "max 100000"
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        self.workers = workers or default_workers(len(os.sched_getaffinity(0)), cpu_max, ranks)
+        self.workers = workers or default_workers(len(os.sched_getaffinity(0)), ranks)
         self._uids = [2**30 + (os.getpid() << 8) + next(_slots) % 256 for _ in range(self.workers)]
         self._slot = threading.local()  # each thread of the pool owns one slot: a uid and its two workers
         uids = iter(self._uids)
@@ -87,21 +90,19 @@ class Sandbox(contextlib.AbstractContextManager):  # (its __enter__ returns the 
         return [f.result() for f in futures]
 
     def verify_batch(self, pairs):
-        """(answer, gold) pairs: is each answer equivalent to its gold (math-verify)? False on a failure."""
+        """(answer, gold) pairs: is each answer equivalent to its gold (math-verify)? None: SANDBOX_FAILURE"""
         results = self.run_batch([VERIFY.format(answer=str(a), gold=str(g)) for a, g in pairs])
-        return [r.status == "ok" and r.stdout == "True\n" for r in results]
+        return [None if r.status == SANDBOX_FAILURE else r.stdout == "True\n" for r in results]
 
     def _execute(self, code, stdin):  # (in a thread of the pool)
-        uid = self._slot.uid
-        kind = "full" if self._heavy.search(code) else "light"
-        proc = self._procs[uid, kind]
+        slot = self._slot.uid, "full" if self._heavy.search(code) else "light"  # (uid, kind)
+        proc = self._procs[slot]
         if proc.poll() is not None:
-            proc = self._spawn(uid, kind)  # it died while idle: replace it first (None once closed)
-        reply = _ask(proc, (code, stdin), self.timeout + 10) if proc else None
+            proc = self._spawn(*slot)  # dead or stopped below: replace it first (None: failed or closed)
+        reply = _ask(proc, (code, stdin), self.timeout + GRACE) if proc else None
         if proc and reply is None:
-            _stop(proc, wait=0)
-            self._spawn(uid, kind)  # replace the worker that died or hung
-        return ExecResult(**reply) if reply else ExecResult("killed", "", "sandbox worker died", 0.0, False)
+            _stop(proc, wait=0)  # it died or hung
+        return ExecResult(**reply) if reply else ExecResult(SANDBOX_FAILURE, "", "sandbox failed", 0.0, False)
 
     def _spawn(self, uid, kind):
         """Start the slot's worker of this kind; None if it failed (its error is on our stderr) or closed."""
@@ -111,8 +112,8 @@ class Sandbox(contextlib.AbstractContextManager):  # (its __enter__ returns the 
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, "-I", "-B", os.path.abspath(__file__), "--worker"], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        self._procs[uid, kind] = proc
-        ready = _ask(proc, tuple(self._config._replace(kind=kind, uid=uid)), None)
+        self._procs[uid, kind] = proc  # (then close() stops it, or it sees _closed below)
+        ready = None if self._closed else _ask(proc, dict(self._config, kind=kind, uid=uid), None)
         if ready is None:
             return _stop(proc, wait=0)
         self.isolation = ready["isolation"]  # {"user", "network", "filesystem"} -> bool, as the workers found
@@ -120,12 +121,11 @@ class Sandbox(contextlib.AbstractContextManager):  # (its __enter__ returns the 
         return proc
 
     def close(self):
-        """Stop the workers (each kills its running call first); calls not yet run return "killed"."""
+        """Stop the workers (each kills its running call first); calls not done return SANDBOX_FAILURE."""
         self._closed = True
-        for _ in range(2):  # (twice: a thread may have replaced a worker before it saw _closed)
-            for proc in list(self._procs.values()):
-                _stop(proc)
-            self._pool.shutdown()
+        for proc in list(self._procs.values()):
+            _stop(proc)
+        self._pool.shutdown()
 
     def __exit__(self, *exc):
         self.close()
@@ -158,8 +158,7 @@ def _stop(proc, wait=5.0):
         proc.wait()
 
 
-# --- Worker side: `python sandbox.py --worker`, a WorkerConfig then requests on stdin, replies on stdout
-
+# --- Worker side: `python sandbox.py --worker`, its settings then requests on stdin, replies on stdout
 LIGHT = """math cmath fractions decimal itertools functools collections re random string heapq bisect
 statistics operator time copy typing numbers _strptime encodings.idna encodings.utf_16 encodings.utf_32
 encodings.latin_1 encodings.cp1252""".split()
@@ -174,17 +173,22 @@ WARM = ["from sympy import *\nfrom math_verify import parse, verify\nx = Symbol(
         "solve(x**2 - 1), factorint(360), simplify(sin(x)**2 + cos(x)**2), integrate(x * exp(x), x)\n"
         "limit(sin(x) / x, x, 0), series(cos(x), x, 0, 4)\n"
         "ok = verify(parse('\\\\boxed{\\\\frac{1}{2}}'), parse('\\\\boxed{0.5}'))", "x = [1]\nx[0] / 0"]
-CLONE_NEWNS = 0x20000
-CLONE_NEWIPC = 0x8000000
-CLONE_NEWNET = 0x40000000
-MS_REC = 0x4000
-MS_PRIVATE = 0x40000
+PR_SET_PDEATHSIG = 1  # prctl (linux/prctl.h): a signal for the process when its parent dies
+PR_SET_CHILD_SUBREAPER = 36  # prctl: orphaned descendants are reparented to this process
+PR_SET_NO_NEW_PRIVS = 38  # prctl: no exec can raise privileges (set-uid programs)
+CLONE_NEWNS = 0x20000  # unshare (linux/sched.h): a new mount namespace
+CLONE_NEWIPC = 0x8000000  # unshare: a new SysV IPC namespace
+CLONE_NEWNET = 0x40000000  # unshare: a new network namespace
+MS_PRIVATE = 0x40000  # mount_setattr's propagation (sys/mount.h): none to or from other namespaces
+SYS_MOUNT_SETATTR = ctypes.c_long(442)  # (asm/unistd_64.h) aarch64's too: syscalls since 5.1 share numbers
+AT_FDCWD = -100  # mount_setattr (linux/fcntl.h): paths from the working directory
+AT_RECURSIVE = 0x8000  # mount_setattr: the whole subtree
+MOUNT_ATTR_RDONLY = 1  # mount_setattr (linux/mount.h): read-only
 IPC = [f"/proc/sysvipc/{k}" for k in ("shm", "sem", "msg")]
 
 
 def _kill_leftovers(cfg, force=False):
-    """Kill and reap all that calls left running (usually nothing: one read). As root, a helper with the
-    calls' uid kills all it owns; else the worker's children die (a subreaper, it gets a call's orphans)."""
+    """Kill and reap what calls left running: as root, all of the calls' uid; else the worker's children."""
     while force or os.pread(cfg.children, 1, 0):  # the worker has children, zombies included
         if not force and os.waitpid(-1, os.WNOHANG)[0]:
             continue  # (reaped one)
@@ -222,8 +226,7 @@ def _call(source, stdin, cfg):
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(int.from_bytes(os.urandom(4), "little"))  # (faster than seed())
     start = time.monotonic()
-    # libc's fork, not os.fork: Python's at-fork hooks (threading's alone) cost ~0.4 ms of copy-on-write
-    # faults per call. Safe: the worker has one thread and holds no locks.
+    # libc's fork: os.fork's at-fork hooks cost ~0.4 ms a call (safe: the worker has one thread, no locks)
     pid = LIBC.fork()
     if pid == 0:  # the child: confine itself, run the cell, exit (it never returns)
         code = 1
@@ -238,7 +241,7 @@ def _call(source, stdin, cfg):
                 os.setgroups([])
                 os.setgid(cfg.uid)
                 os.setuid(cfg.uid)
-            LIBC.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (setuid clears it, so after that)
+            LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (setuid clears it, so after that)
             code = _run(source)
         finally:
             with contextlib.suppress(BaseException):
@@ -258,7 +261,10 @@ def _call(source, stdin, cfg):
     stderr, cut_err = _read(fds[2], cfg.max_output, tail=True)
     for fd in fds + [pidfd]:
         os.close(fd)
-    shutil.rmtree(cwd, ignore_errors=True)
+    try:
+        shutil.rmtree(cwd, ignore_errors=True)
+    except RecursionError:  # a tree deeper than Python's recursion limit: rm recurses without a limit
+        subprocess.run(["rm", "-rf", "--", cwd])
     if cfg.parent_fd in ready:
         return None
     status = "timeout" if pidfd not in ready else {0: "ok", OOM_EXIT: "oom"}.get(code, "error")
@@ -292,36 +298,30 @@ def _worker():
     import gc, importlib, io, pkgutil, warnings
     requests = os.fdopen(0, "rb")  # (a call's child puts its own stdin on fd 0)
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
-    config = WorkerConfig(*marshal.load(requests))
+    config = types.SimpleNamespace(**marshal.load(requests))  # kind, uid (the calls', as root), timeout...
     if config.uid in (0, os.getuid()):  # as root, _kill_leftovers kills every process of the calls' uid
         sys.exit(f"sandbox worker: refusing uid {config.uid} for the calls (it is root's or the caller's)")
     root = os.geteuid() == 0
     os.dup2(2, 1)  # stray prints go to stderr; the calls inherit this and all up to the imports
     sys.stdout.reconfigure(line_buffering=True, errors="backslashreplace")
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big write fails rather than kills
-    LIBC.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of a call come back to us
-    LIBC.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no exec can raise privileges (set-uid programs)
+    LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of a call come back to us
+    LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))  # no file grows past 16 MB
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # As root: new namespaces; calls' directories on a tmpfs over /dev/shm (over /tmp it could hide Python)
+    isolation = {"user": root, "network": False, "filesystem": False}
     if root:
         resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))  # (binds a call once it is not root)
-    # As root: new network, IPC and mount namespaces (no interface up, every mount read-only, a fresh
-    # tmpfs on /tmp, or on /dev/shm if this Python lives under /tmp, which the tmpfs would hide).
-    isolation = {"user": root, "network": False, "filesystem": False}
-    used = [f(p) for p in [sys.prefix, sys.base_prefix, __file__] + sys.path if p
-            for f in (os.path.abspath, os.path.realpath)]
-    scratch = "/dev/shm" if any(p.startswith("/tmp/") for p in used) else "/tmp"
-    if root:
         isolation["network"] = LIBC.unshare(CLONE_NEWNET | CLONE_NEWIPC) == 0
-        if LIBC.unshare(CLONE_NEWNS) == 0 and LIBC.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-            attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)  # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, RDONLY)
-            ro = LIBC.syscall(ctypes.c_long(442), -100, b"/", 0x8000, attr, ctypes.c_size_t(32)) == 0
-            opts = f"size={config.memory_mb}m,mode=755".encode()  # (mount flags 6: nosuid, nodev)
-            isolation["filesystem"] = ro and LIBC.mount(b"tmpfs", scratch.encode(), b"tmpfs", 6, opts) == 0
+        if LIBC.unshare(CLONE_NEWNS) == 0:
+            attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY, 0, MS_PRIVATE, 0)  # (set, clear, propagation, -)
+            ro = LIBC.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, attr, ctypes.sizeof(attr)) == 0
+            opts = f"size={config.memory_mb}m,nr_inodes=10000,mode=755".encode()  # (10,000 files at most)
+            isolation["filesystem"] = ro and LIBC.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, opts) == 0
     for name in FULL if config.kind == "full" else LIGHT:
         importlib.import_module(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (sympy has installed its own filters by now)
+    with warnings.catch_warnings(action="ignore"):  # (sympy has installed its own filters by now)
         for pkg in (importlib.import_module("sympy." + name) for name in SYMPY_ALL if config.kind == "full"):
             for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 if ".tests" not in m.name and ".benchmarks" not in m.name:
@@ -332,8 +332,8 @@ def _worker():
     gc.collect()
     gc.freeze()  # the warm heap stays out of the children's garbage collections
     base_mb = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") >> 20
-    cfg = types.SimpleNamespace(**config._asdict(), limit_mb=base_mb + config.memory_mb, parent_fd=0,
-                                tmp=tempfile.mkdtemp(dir=scratch if isolation["filesystem"] else None),
+    cfg = types.SimpleNamespace(**vars(config), limit_mb=base_mb + config.memory_mb, parent_fd=0,
+                                tmp=tempfile.mkdtemp(dir="/dev/shm" if isolation["filesystem"] else None),
                                 children=os.open(f"/proc/self/task/{os.getpid()}/children", os.O_RDONLY),
                                 ipc=[open(path, "rb", buffering=0) for path in IPC] if root else [])
     cfg.uid = config.uid if root else None  # (without root, calls run as the caller)

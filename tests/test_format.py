@@ -150,6 +150,15 @@ def test_grade_sends_only_undecided_answers_to_the_sandbox_in_one_batch():
     assert sb.batches == [[("\\frac{84}{2}", "42"), ("x^2", "x^2")]]
 
 
+def test_grade_leaves_a_check_the_sandbox_failed_to_complete_undecided():
+    class FailingSlot:  # verify_batch's answer when the worker checking the second pair died: None
+        def verify_batch(self, pairs):
+            assert len(pairs) == 3, pairs  # (the plain numbers, 41 and 42, are compared without it)
+            return [True, None, False]
+    rewards = grade(["\\frac{84}{2}", "x^2", "y", "41"], ["42", "x^2", "x", "42"], FailingSlot())
+    assert rewards == [1.0, None, 0.0, 0.0], "a sandbox failure must not read as a wrong answer (0.0)"
+
+
 # -- render_messages ------------------------------------------------------------
 
 @pytest.fixture(scope="module")

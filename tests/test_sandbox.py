@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 import sandbox  # noqa: E402
-from sandbox import Sandbox, WorkerConfig, default_workers  # noqa: E402
+from sandbox import SANDBOX_FAILURE, Sandbox, default_workers  # noqa: E402
 
 TIMEOUT = 3.0  # generous: the slowest legitimate call here (sympy, on a busy machine) takes ~1 s
 SECRET = "hunter2-do-not-leak"
@@ -29,6 +29,28 @@ def sb():
     with Sandbox(workers=2, timeout=TIMEOUT, memory_mb=512, max_output=1000) as box:
         yield box
     del os.environ["SANDBOX_TEST_SECRET"]
+
+
+@pytest.fixture(scope="module")
+def lone():
+    """One slot of its own, for the tests that kill or stop its workers (each leaves it working again)."""
+    with Sandbox(workers=1, timeout=TIMEOUT, memory_mb=512) as box:
+        yield box
+
+
+def worker_of(box, kind):
+    """The slot's `kind` worker process ("light" or "full"): the one a call of that kind runs in."""
+    (proc,) = [p for (_, k), p in box._procs.items() if k == kind]
+    return proc
+
+
+def wait_for_a_call(proc):
+    """Wait until the worker `proc` has forked its call's child (the call is running)."""
+    children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+    deadline = time.monotonic() + 10
+    while not open(children).read().split():
+        assert time.monotonic() < deadline, "the call never started"
+        time.sleep(0.01)
 
 
 def needs(box, what):
@@ -303,6 +325,25 @@ print(written, open('mine.txt').read())
     assert not any(os.path.exists(p) for p in ("/x", "/tmp/x", f"{ROOT}/x", "/dev/shm/x", "/var/tmp/x"))
 
 
+def test_a_tree_deeper_than_pythons_recursion_limit_is_removed_and_the_worker_lives(sb):
+    # shutil.rmtree recurses once per level: a 3,000-deep tree made it raise RecursionError in the worker.
+    code = "import os\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')"
+    for _ in range(3):  # (two slots: the same worker twice at least)
+        r = sb.run(code)
+        assert r.status == "ok" and r.stdout == "deep\n", f"the clean-up after the call failed: {r}"
+
+
+def test_a_call_creates_at_most_10000_files_so_its_clean_up_fits_the_grace(sb):
+    # Uncapped, 3 s of mkdir left ~100,000 directories: removing them took longer than making them.
+    needs(sb, "filesystem")
+    for _ in range(3):  # (each clean-up must free the files: the next call makes as many)
+        start = time.monotonic()
+        r = sb.run("import os\ni = 0\nwhile True:\n    os.mkdir(str(i))\n    i += 1")
+        assert r.status == "error" and "No space left on device" in r.stderr, r
+        assert 9_900 < int(r.stderr.rsplit("'", 2)[1]) < 10_000, r.stderr  # (the name it failed on)
+        assert time.monotonic() - start < TIMEOUT, "the call or its clean-up took too long"
+
+
 def test_network_connect_to_a_local_listener_fails(sb):
     needs(sb, "network")
     with socket.socket() as server:
@@ -328,28 +369,67 @@ def test_1000_submissions_from_several_threads_get_their_own_output(sb):
     assert len(results) == 1000 and all(results), f"{results.count(False)} calls got someone else's output"
 
 
-def test_killed_worker_is_replaced_and_its_call_returns_killed():
-    with Sandbox(workers=1, timeout=10.0) as box:
-        future = box.submit(ESCAPING_SLEEPER)
-        time.sleep(1.0)  # let it start
-        for proc in list(box._procs.values()):
-            proc.send_signal(signal.SIGKILL)
-        assert future.result(timeout=30).status == "killed"
-        assert box.run("print('back')").stdout == "back\n", "the killed worker was not replaced"
-        r = box.run("import sympy\nsympy.Integer(7)")
-        assert r.stdout == "7\n", f"a worker killed while idle fails the next call: {r}"
-        if box.isolation.get("user"):
-            assert_nothing_left(box)  # the replacement kills what the dead worker's call left
+def test_a_worker_killed_during_a_call_is_a_sandbox_failure_and_is_replaced(lone):
+    future = lone.submit(ESCAPING_SLEEPER)  # (a light call: a time.sleep, and a setsid child that sleeps)
+    wait_for_a_call(worker_of(lone, "light"))
+    for proc in list(lone._procs.values()):  # both workers: the light one mid-call, the full one idle
+        proc.send_signal(signal.SIGKILL)
+    r = future.result(timeout=30)
+    assert r.status == SANDBOX_FAILURE, f"the sandbox's failure was reported as the code's: {r}"
+    assert lone.run("print('back')").stdout == "back\n", "the killed worker was not replaced"
+    r = lone.run("import sympy\nsympy.Integer(7)")
+    assert r.stdout == "7\n", f"a worker killed while idle fails the next call: {r}"
+    if lone.isolation.get("user"):
+        assert_nothing_left(lone)  # the replacement kills what the dead worker's call left
+
+
+def test_a_worker_killed_during_an_answer_check_leaves_that_verdict_none(lone):
+    # One slot runs the checks in order: the first (math-verify on a tower of powers) runs until the timeout.
+    pairs = [("10^{10^{10^{10}}}", "1"), ("\\frac{1}{2}", "0.5"), ("3", "4"), ("x^2", "x^2")]
+    with ThreadPoolExecutor(1) as ex:
+        verdicts = ex.submit(lone.verify_batch, pairs)
+        full = worker_of(lone, "full")
+        wait_for_a_call(full)
+        full.send_signal(signal.SIGKILL)
+        assert verdicts.result(timeout=120) == [None, True, False, True], "only the killed check is undecided"
+    assert lone.verify_batch([("0.75", "3/4")]) == [True], "the pool did not recover"
+
+
+def test_a_worker_that_cannot_restart_is_a_sandbox_failure_until_it_can(lone, monkeypatch):
+    worker_of(lone, "light").send_signal(signal.SIGKILL)
+    worker_of(lone, "light").wait()
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "executable", "/bin/false")  # a "Python" that exits at once: no replacement starts
+        for _ in range(2):  # (each call tries again)
+            r = lone.run("print('hello')")
+            assert r.status == SANDBOX_FAILURE, r
+    assert lone.run("print('back')").stdout == "back\n", "the worker did not restart once it could"
+
+
+def test_a_hung_worker_is_a_sandbox_failure_after_timeout_plus_grace(lone, monkeypatch):
+    monkeypatch.setattr(sandbox, "GRACE", 2.0)
+    r = lone.run("import time\ntime.sleep(60)")
+    assert r.status == "timeout", f"a call stopped at its own timeout is the code's doing: {r}"
+    worker_of(lone, "light").send_signal(signal.SIGSTOP)  # alive, but it will never reply
+    start = time.monotonic()
+    r = lone.run("print('hello')")
+    waited = time.monotonic() - start
+    assert r.status == SANDBOX_FAILURE, r
+    assert TIMEOUT + 2.0 <= waited < TIMEOUT + 2.0 + 3.0, f"gave up on a hung worker after {waited:.1f} s"
+    assert lone.run("print('back')").stdout == "back\n", "the hung worker was not replaced"
 
 
 def test_close_kills_running_calls_and_leaves_no_process():
     box = Sandbox(workers=1, timeout=30.0)
     procs = list(box._procs.values())
     future = box.submit(ESCAPING_SLEEPER)
+    queued = box.submit("print('never')")  # (one slot: it waits for the first)
     time.sleep(1.0)
     start = time.monotonic()
     box.close()
-    assert time.monotonic() - start < 5.0 and future.result(timeout=1).status == "killed"
+    assert time.monotonic() - start < 5.0, "close() waited for a running call"
+    for f in (future, queued):  # closing the sandbox is not the code's doing
+        assert f.result(timeout=1).status == SANDBOX_FAILURE, f.result()
     assert all(p.poll() is not None for p in procs), "a worker survived close()"
     if box.isolation.get("user"):
         assert_nothing_left(box)
@@ -360,7 +440,8 @@ def test_a_worker_asked_for_uid_0_or_the_callers_uid_refuses_and_kills_nothing(t
     # trainer's too. A PID namespace (as root) keeps what a worker that did not refuse would kill inside it.
     for uid in (0, os.getuid()):
         config = tmp_path / f"config{uid}"
-        config.write_bytes(marshal.dumps(tuple(WorkerConfig("light", uid, 5.0, 512, 1000))))
+        settings = dict(kind="light", uid=uid, timeout=5.0, memory_mb=512, max_output=1000)
+        config.write_bytes(marshal.dumps(settings))
         worker = shlex.join([sys.executable, "-I", os.path.join(ROOT, "sandbox.py"), "--worker"])
         script = (f"sleep 30 & {worker} < {shlex.quote(str(config))}; echo $?; "
                   "kill -0 $! && echo alive; kill $!")  # the worker's exit code; is the bystander alive?
@@ -397,17 +478,35 @@ def test_start_up_waits_for_a_slow_worker_that_uses_cpu_and_not_for_a_stuck_one(
     assert time.monotonic() - start < 10, "a stuck worker was waited for long after it stopped using CPU"
 
 
-@pytest.mark.parametrize("affinity, cpu_max, ranks, want", [
-    (2, "max 100000\n", 1, 1),      # a laptop: one core kept for the trainer and its engine
-    (96, "max 100000\n", 8, 11),    # a GPU node, 8 ranks: 12 cores each, one kept
-    (96, "400000 100000\n", 1, 3),  # a container with a 4-core quota on a 96-core machine
-    (4, "800000 100000\n", 1, 3),   # the CPU affinity is the tighter limit
-    (64, "150000 100000\n", 1, 1),  # a fractional quota rounds down, and there is always one worker
-    (8, "max 100000\n", 8, 1),      # more ranks than spare cores
+V1 = ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")  # cgroup v1's quota and period files
+
+
+@pytest.mark.parametrize("cores, files, ranks, want", [
+    (2, {}, 1, 1),                                     # a laptop: one core kept for trainer and engine
+    (96, {"cpu.max": "max 100000\n"}, 8, 11),          # a GPU node, 8 ranks: 12 cores each, one kept
+    (96, {"cpu.max": "400000 100000\n"}, 1, 3),        # a container with a 4-core quota on a 96-core machine
+    (4, {"cpu.max": "800000 100000\n"}, 1, 3),         # the CPU affinity is the tighter limit
+    (64, {"cpu.max": "150000 100000\n"}, 1, 1),        # a fractional quota rounds down; always one worker
+    (8, {"cpu.max": "max 100000\n"}, 8, 1),            # more ranks than spare cores
+    (96, dict(zip(V1, ["400000\n", "100000\n"])), 1, 3),  # cgroup v1: a 4-core quota
+    (96, dict(zip(V1, ["50000\n", "10000\n"])), 1, 4),    # cgroup v1: 5 cores, another period
+    (96, dict(zip(V1, ["-1\n", "100000\n"])), 8, 11),     # cgroup v1: no quota
 ])
-def test_default_workers_are_the_usable_cores_shared_among_ranks(affinity, cpu_max, ranks, want):
-    got = default_workers(affinity, cpu_max, ranks)
-    assert got == want, f"{affinity} CPUs, cpu.max {cpu_max!r}, {ranks} ranks: {got} workers, not {want}"
+def test_default_workers_are_the_usable_cores_shared_among_ranks(tmp_path, cores, files, ranks, want):
+    for name, text in files.items():  # a cgroup directory as the kernel shows it
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    got = default_workers(cores, ranks, str(tmp_path))
+    assert got == want, f"{cores} CPUs, cgroup files {files}, {ranks} ranks: {got} workers, not {want}"
+
+
+def test_default_workers_read_cgroup_v1_through_the_cpu_link(tmp_path):
+    # Where v1 mounts the cpu and cpuacct controllers together, cpu/ is a link to cpu,cpuacct/.
+    (tmp_path / "cpu,cpuacct").mkdir()
+    (tmp_path / "cpu,cpuacct/cpu.cfs_quota_us").write_text("300000\n")
+    (tmp_path / "cpu,cpuacct/cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cpu").symlink_to("cpu,cpuacct")
+    assert default_workers(64, 1, str(tmp_path)) == 2
 
 
 def test_run_batch_keeps_order_and_accepts_stdin_pairs(sb):
@@ -429,6 +528,7 @@ def test_verify_rejects_different_answers(sb):
 
 
 def test_verify_of_a_pathological_answer_returns_false_at_the_timeout(sb):
+    # The answer made the check fail (a timeout): a wrong answer, not a sandbox failure (None).
     start = time.monotonic()
     assert sb.verify_batch([("10^{10^{10^{10}}}", "1")]) == [False]
     assert time.monotonic() - start < TIMEOUT + 2.0, "math-verify ran past the sandbox timeout"
