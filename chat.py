@@ -12,9 +12,9 @@ import os
 import sys
 
 from conversation import format_tool_response
-from engine import make_engine
-from rollout import (add_rollout_flags, add_tool_turn, end_turn, model_eos_ids, rollout_config,
-                     sampling_params, start_trajectories, turn_tokens)
+from engine import add_engine_flags, make_engine, model_eos_ids, turn_tokens
+from rollout import (add_rollout_flags, add_tool_turn, end_turn, rollout_config, sampling_params,
+                     start_trajectories)
 from sandbox import Sandbox
 
 parser = argparse.ArgumentParser(description="Chat with a checkpoint: its turns, tool calls and answer.")
@@ -23,8 +23,7 @@ add_rollout_flags(parser, temperature=0.6, max_turns=30, max_response=30000)  # 
 parser.add_argument("--max-model-len", type=int, default=None,
                     help="prompt + response tokens (default: the model's context, at most 32768); it caps "
                          "--max-response")
-parser.add_argument("--kv-cache-tokens", type=int, default=None, help="CPU: the KV cache in tokens")
-parser.add_argument("--memory-fraction", type=float, default=0.5, help="GPU: the engine's share of memory")
+add_engine_flags(parser, memory_fraction=0.5)
 parser.add_argument("--seed", type=int, default=0, help="sampling seed")
 args = parser.parse_args()
 

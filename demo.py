@@ -29,8 +29,8 @@ ARMS = {
     "roc": dict(column="RL (RoC)", out_dir="runs/toy_rl", flags=["--downsample", "roc"]),
     "uniform": dict(column="RL (no RoC)", out_dir="runs/toy_rl_noroc", flags=["--downsample", "uniform"]),
 }
-parser.add_argument("--arm", choices=list(ARMS), default="roc", help="which RL arm to run (each adds a column)")
-parser.add_argument("--no-roc", dest="arm", action="store_const", const="uniform", help="the same as --arm uniform")
+parser.add_argument("--arm", choices=list(ARMS), default="roc", help="the RL arm to run (each adds a column)")
+parser.add_argument("--no-roc", dest="arm", action="store_const", const="uniform", help="as --arm uniform")
 parser.add_argument("--steps", type=int, default=60,
                     help="RL steps (about 2-3 s each on a quiet 2-core machine)")
 parser.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
@@ -65,16 +65,16 @@ def stage(title: str, done_file: str, *cmd: str) -> None:
 # The recipe: data -> non-reasoning SFT -> eval -> GRPO-RoC -> eval.
 
 EVAL = ["--benchmarks", "data/toy/test.jsonl", "--n", str(args.samples), "--max-response", "512",
-        "--max-turns", "10"]
+        "--max-turns", "10", "--deterministic"]  # (seeded turns: a rerun prints the same table)
 stage("1/5 toy world: problems, SFT conversations, tokenizer, untrained model",
       "data/toy/init_model/tokenizer.json", "data/prepare_toy.py")
 stage("2/5 non-reasoning SFT: the tool-call format", "runs/toy_sft/model.safetensors",
       "sft.py", "--preset", "toy")
 stage("3/5 evaluate the SFT model on the held-out problems", COLUMNS["SFT"] + "/table.json",
       "eval.py", "--model", "runs/toy_sft", *EVAL, "--out-dir", COLUMNS["SFT"])
-stage(f"4/5 GRPO-RoC, {args.steps} steps, {' '.join(arm['flags'])}", arm["out_dir"] + "/final/model.safetensors",
-      "train.py", "--preset", "toy", "--steps", str(args.steps), "--out-dir", arm["out_dir"], "--resume", "1",
-      *arm["flags"])
+stage(f"4/5 GRPO-RoC, {args.steps} steps, {' '.join(arm['flags'])}",
+      arm["out_dir"] + "/final/model.safetensors", "train.py", "--preset", "toy", "--steps", str(args.steps),
+      "--out-dir", arm["out_dir"], "--resume", "1", *arm["flags"])
 stage("5/5 evaluate the RL model on the held-out problems", COLUMNS[arm["column"]] + "/table.json",
       "eval.py", "--model", arm["out_dir"] + "/final", *EVAL, "--out-dir", COLUMNS[arm["column"]])
 

@@ -2,14 +2,19 @@
 
 Every vLLM-specific detail the project relies on lives here, one named function each, written
 against vllm 0.32 (what each does and why is in its docstring):
-1. make_engine: bf16 with sleep mode on GPUs; fp32, eager, a KV cache sized in tokens on CPUs.
+1. make_engine: bf16 with sleep mode on GPUs; fp32, eager, a KV cache sized in tokens on CPUs; in
+   process (its tensors are handed over as tensors); with random weights (vLLM's dummy load format)
+   when the trainer syncs its own before the first rollout, so no rank reads the checkpoint twice.
 2. sync_weights: the trainer's weights (full_weights: gathered from the FSDP2 shards one parameter
    at a time) loaded in place (`reload_weights`), the prefix cache reset.
-3. sleep / wake_for_rollout: the engine's GPU memory given to training and taken back.
+3. sleep / wake_for_rollout: the engine's GPU memory given to training and taken back; and the
+   mirror image, trainer_offloaded: the trainer's state in host memory while the engine rolls out.
 4. kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
+5. model_eos_ids, turn_tokens: where vLLM ends a turn on its own, and a finished turn's ids and log-probs.
 On a GPU a step cycles: rollout (awake) -> sleep (weights to host memory, KV cache freed) ->
 training -> sync_weights (the weights woken, nothing else) -> wake_for_rollout (the KV cache).
 """
+import contextlib
 import os
 
 
@@ -26,22 +31,37 @@ CPU_KV_CACHE_TOKENS = 65536  # the CPU default: 256 MB for the toy model, 3 GB f
 CPU_BLOCK = 128              # tokens per KV-cache block (vLLM 0.32's CPU default)
 
 
-def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: float = 0.5,
-                kv_cache_tokens: int | None = None, external_launcher: bool = False):
+def add_engine_flags(group, memory_fraction) -> None:
+    """The engine's memory, one definition for train.py, eval.py and chat.py, each with its default
+    share of a GPU (train.py's "auto": the memory plan's)."""
+    group.add_argument("--memory-fraction", default=memory_fraction,
+                       help="GPUs: the engine's share of GPU memory (weights + KV cache)")
+    group.add_argument("--kv-cache-tokens", type=int, default=None,
+                       help=f"CPUs: the engine's KV cache in tokens (default {CPU_KV_CACHE_TOKENS})")
+
+
+def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: float | None = None,
+                kv_cache_tokens: int | None = None, external_launcher: bool = False, weights: bool = True):
     """The vLLM engine for this hardware. GPUs: bf16, sleep mode, `memory_fraction` of the GPU for
-    weights and KV cache. CPUs: fp32, eager mode, a KV cache of `kv_cache_tokens` tokens. (vLLM 0.32
-    on CPU turns a fraction into fraction x the NUMA node's memory minus this process's RSS, which is
-    negative on a machine with an 11 GB node: the cache is sized in bytes, the same on every machine.)"""
-    # In-process engine core: weights can then be handed over as tensors (see sync_weights).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    weights and KV cache (default 0.5). CPUs: fp32, eager mode, a KV cache of `kv_cache_tokens` tokens.
+    (vLLM 0.32 on CPU turns a fraction into fraction x the NUMA node's memory minus this process's RSS,
+    which is negative on a machine with an 11 GB node: the cache is sized in bytes.) weights=False: the
+    weights are random until the first sync_weights (the checkpoint is not read: 8 x 29.5 GB at 14B)."""
+    # In-process engine core: weights are handed over as tensors (sync_weights) and its sleeping tags
+    # read in process (_sleeping); a multiprocess core can do neither (the iterator is not picklable).
+    if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING=1 asks for an engine in another process, which "
+                           "cannot take the trainer's weights as tensors nor say what sleeps\n---> HINT: "
+                           "unset it (or set it to 0): every engine here runs in its rank's process")
     import torch
     from vllm import LLM
     # The sampler reports log-probs of the distribution it drew from (after temperature), the
     # distribution the trainer scores (training.token_logprobs divides by the same temperature).
     kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
-                  logprobs_mode="processed_logprobs")
+                  logprobs_mode="processed_logprobs", load_format="auto" if weights else "dummy")
     if torch.cuda.is_available():
-        kwargs.update(dtype="bfloat16", enable_sleep_mode=True, gpu_memory_utilization=memory_fraction)
+        share = float(memory_fraction or 0.5)  # (a flag's string, or the memory plan's number)
+        kwargs.update(dtype="bfloat16", enable_sleep_mode=True, gpu_memory_utilization=share)
     else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt split by
         # chunked prefill makes vllm 0.32 rewind the request's seeded generator, which CPU generators
         # cannot do ("CPU Generator does not use offset"): prefill prompts whole.
@@ -61,6 +81,23 @@ def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: 
         raise RuntimeError(f"{e}\n---> HINT: a KV cache of {kv_cache_tokens} tokens ({gib:.2f} GiB) does not "
                            f"fit in this machine's free memory: ask for fewer (--kv-cache-tokens) or free "
                            f"some memory") from None
+
+
+def model_eos_ids(model: str) -> tuple[int, ...]:
+    """The model's end-of-sequence ids, from its generation_config.json (else config.json). vLLM stops a
+    request at them whatever its stop ids say: Qwen3 base models end a turn with <|endoftext|>."""
+    from transformers import AutoConfig, GenerationConfig
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = AutoConfig.from_pretrained(model).eos_token_id
+    return tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
+
+
+def turn_tokens(output) -> tuple[list[int], list[float]]:
+    """Token ids and their log-probs from a vLLM CompletionOutput (logprobs=0: the sampled token's)."""
+    ids = list(output.token_ids)
+    return ids, [lp[t].logprob for t, lp in zip(ids, output.logprobs)]
 
 
 def _sleeping(llm) -> set[str]:
@@ -101,6 +138,32 @@ def wake_for_rollout(llm) -> None:
     asleep = _sleeping(llm)
     if asleep:
         llm.wake_up(tags=sorted(asleep))
+
+
+@contextlib.contextmanager
+def trainer_offloaded(model, optimizer, device, offload: bool = True):
+    """The trainer's fp32 shards and AdamW moments in host memory for the block, back on `device` after
+    (train.py --offload-trainer: the memory plan gives the engine that room). From a GPU the copies land
+    in pinned memory and the freed blocks go back to the device; within one device it copies too, so a
+    CPU run takes the same path. FSDP2 re-registers moved shards (FSDPModule._apply, torch 2.13) under
+    the same parameter objects, so the optimizer's state stays keyed by them."""
+    import torch
+    if offload:
+        _move_trainer_state(model, optimizer, torch.device("cpu"))
+    yield
+    if offload:
+        _move_trainer_state(model, optimizer, device)
+
+
+def _move_trainer_state(model, optimizer, place) -> None:
+    import torch
+    model._apply(lambda t: t.to(place, non_blocking=True, copy=True))
+    for state in optimizer.state.values():
+        for key in [k for k, v in state.items() if torch.is_tensor(v) and v.dim()]:  # (not AdamW's step)
+            state[key] = state[key].to(place, non_blocking=True, copy=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # (every copy done before its source is freed or used)
+        torch.cuda.empty_cache()  # (the freed blocks back to the device, for the engine)
 
 
 def kv_capacity_tokens(engine) -> int:

@@ -27,10 +27,10 @@ import os
 import time
 from collections import defaultdict
 
-from engine import make_engine
 from conversation import prompt_ids
-from rollout import (RolloutConfig, add_rollout_flags, drop_long_prompts, model_eos_ids, read_problems,
-                     rollout_config, trajectory_metrics)
+from engine import add_engine_flags, make_engine, model_eos_ids
+from rollout import (RolloutConfig, add_rollout_flags, drop_long_prompts, read_problems, rollout_config,
+                     trajectory_metrics)
 from scheduler import ProblemQueue, rollout_scheduled
 from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
 
@@ -59,10 +59,7 @@ def get_args(argv=None):
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="engine context; default: longest prompt + --max-response, capped at the "
                              "model's context")
-    parser.add_argument("--memory-fraction", type=float, default=0.85,
-                        help="GPUs: share of GPU memory for vLLM (weights + KV cache)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None,
-                        help="CPUs: the engine's KV cache in tokens (default: engine.CPU_KV_CACHE_TOKENS)")
+    add_engine_flags(parser, memory_fraction=0.85)
     parser.add_argument("--tool-workers", type=int, default=None,
                         help="sandbox workers per rank (default: the CPU cores shared among the node's "
                              "ranks)")

@@ -436,6 +436,19 @@ def sizing_table(ranks: int = 8, micro_batch_tokens: int = 8192, rollout_tokens:
     return "\n".join(rows)
 
 
+def add_plan_flags(group) -> None:
+    """train.py's flags of the memory plan."""
+    group.add_argument("--offload-trainer", choices=["auto", "on", "off"], default="auto",
+                       help="the trainer's fp32 shards and AdamW moments in host memory while the engine "
+                            "rolls out (auto: when the plan says it doubles the rollouts the engine holds)")
+    group.add_argument("--plan", action="store_true",
+                       help="print the memory plan per GPU (from the model's config alone) and exit")
+    group.add_argument("--gpu-memory", type=float, default=None,
+                       help="GiB per GPU for the plan (default: this GPU's, else 80)")
+    group.add_argument("--plan-gpus", type=int, default=None,
+                       help="GPUs for --plan (default: torchrun's world size, else 8)")
+
+
 def plan_for_model(model: str, ranks: int, gpu_gib: float | None = None, **settings) -> Plan:
     """The plan of `model` (a KNOWN name, an HF folder or hub id) on `ranks` GPUs of `gpu_gib` GiB
     (default: this GPU's, else 80); `settings` as plan() takes them."""
@@ -454,18 +467,20 @@ def report(model: str, ranks: int, **settings) -> int:
     return 0 if p.fits else 1
 
 
-def engine_share(asked: str, device, model: str, ranks: int, log, **settings) -> float | str:
-    """The engine's share of each GPU (vLLM's gpu_memory_utilization): `asked` unless it is "auto" on
-    GPUs, then the plan's, which `log` prints; SystemExit with what to do if the plan does not fit."""
-    if asked != "auto" or device.type != "cuda":
-        return float(asked) if asked != "auto" else asked
-    p = plan_for_model(model, ranks, **settings)
+def gpu_settings(fraction: str, offload: str, device, model: str, ranks: int, log,
+                 **settings) -> tuple[float | None, bool]:
+    """train.py's (engine share, offload the trainer?). On GPUs the plan, which `log` prints, decides
+    what is "auto" (SystemExit with what to do if it does not fit); on CPUs there is no share and the
+    trainer offloads only when asked ("on": the same code path, copies within host memory)."""
+    if device.type != "cuda":
+        return None, offload == "on"
+    p = plan_for_model(model, ranks, offload=offload, **settings)
     log(describe(p, ranks))
     if not p.fits:
-        raise SystemExit("the memory plan above does not fit these GPUs\n---> HINT: fewer "
-                         "--micro-batch-tokens, more GPUs (the trainer's share shrinks with them), "
+        raise SystemExit("the memory plan above does not fit these GPUs\n---> HINT: --offload-trainer on, "
+                         "fewer --micro-batch-tokens, more GPUs (the trainer's share shrinks with them), "
                          "or a smaller model")
-    return p.memory_fraction
+    return (p.memory_fraction if fraction == "auto" else float(fraction)), p.offload
 
 
 if __name__ == "__main__":  # self-check: prints docs/gpu.md's sizing table

@@ -61,7 +61,8 @@ class RolloutConfig:
     max_response: int = 8192       # one budget for sampled and tool tokens together
     temperature: float = 1.0
     top_p: float = 1.0
-    seed: int = 0                  # every turn of every rollout gets its own seed derived from this
+    seed: int = 0                  # with `deterministic`: every turn of every rollout derives its own
+    deterministic: bool = False    # per-turn seeds: the same samples whatever the batch (vLLM: slower)
     max_tool_chars: int = MAX_TOOL_RESPONSE_CHARS
     kv_budget: int | None = None   # the scheduler admits within this many KV tokens (None: the engine's)
     eos_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (model_eos_ids): they end a turn too
@@ -86,6 +87,10 @@ def add_rollout_flags(parser, top_p: bool = True, **defaults):
         group.add_argument("--top-p", type=float, default=RolloutConfig.top_p, help="nucleus sampling")
     group.add_argument("--max-tool-chars", type=int, default=MAX_TOOL_RESPONSE_CHARS,
                        help="a tool response is cut to this many characters (middle-truncated)")
+    group.add_argument("--deterministic", action="store_true",
+                       help="a seed per turn of every rollout: the same samples whatever the driver, rank "
+                            "or batch runs them (tests, comparisons). Off: one engine seed, because vLLM "
+                            "samples seeded requests one at a time, a Python loop per decode step")
     parser.set_defaults(**defaults)
     return group
 
@@ -94,18 +99,7 @@ def rollout_config(args, **fields) -> RolloutConfig:
     """The RolloutConfig of add_rollout_flags' flags; `fields` sets the rest (seed, eos_ids, ...)."""
     return RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
                          temperature=args.temperature, top_p=getattr(args, "top_p", 1.0),
-                         max_tool_chars=args.max_tool_chars, **fields)
-
-
-def model_eos_ids(model: str) -> tuple[int, ...]:
-    """The model's end-of-sequence ids, from its generation_config.json (else config.json). vLLM stops a
-    request at them whatever its stop ids say: Qwen3 base models end a turn with <|endoftext|>."""
-    from transformers import AutoConfig, GenerationConfig
-    try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = AutoConfig.from_pretrained(model).eos_token_id
-    return tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
+                         max_tool_chars=args.max_tool_chars, deterministic=args.deterministic, **fields)
 
 
 def end_of_turn_ids(tokenizer, cfg: RolloutConfig) -> list[int]:
@@ -173,14 +167,19 @@ def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0)
             for i, (p, ids) in enumerate(zip(problems, prompts)) for s in range(n)]
 
 
-def turn_seed(traj: Trajectory, cfg: RolloutConfig) -> int:
-    """The sampling seed of the trajectory's next turn: the same whichever driver or batch runs it."""
+def turn_seed(traj: Trajectory, cfg: RolloutConfig) -> int | None:
+    """The sampling seed of the trajectory's next turn, the same whichever driver or batch runs it; None
+    (the engine's own generator, seeded once) unless cfg.deterministic: vLLM 0.32 samples requests that
+    carry a seed one by one (vllm/v1/sample/ops/topk_topp_sampler.py, random_sample), and on GPUs
+    they also lose the FlashInfer sampler."""
+    if not cfg.deterministic:
+        return None
     return hash((cfg.seed, traj.index, traj.sample, traj.num_turns)) % 2**31
 
 
 def sampling_params(traj: Trajectory, cfg: RolloutConfig, tokenizer):
-    """The next turn's sampling: what is left of the budget, stop at the end of the turn, a seed of its
-    own. The engine returns the finished turn's token ids only: no text (end_turn decodes it once) and
+    """The next turn's sampling: what is left of the budget, stop at the end of the turn, its seed. The
+    engine returns the finished turn's token ids only: no text (end_turn decodes it once) and
     no partial outputs (under the external launcher vLLM does that work in the trainer's thread)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=turn_seed(traj, cfg),
@@ -260,12 +259,6 @@ def score(trajs: list[Trajectory], sandbox) -> None:
         t.sandbox_failed = t.sandbox_failed or verdict is None
         t.correct = bool(verdict)
         t.reward = reward(t)
-
-
-def turn_tokens(output) -> tuple[list[int], list[float]]:
-    """Token ids and their log-probs from a vLLM CompletionOutput (logprobs=0: the sampled token's)."""
-    ids = list(output.token_ids)
-    return ids, [lp[t].logprob for t, lp in zip(ids, output.logprobs)]
 
 
 def trajectory_metrics(trajs: list[Trajectory]) -> dict:

@@ -35,9 +35,9 @@ import statistics
 import time
 from collections import deque
 
-from engine import kv_block_tokens, kv_capacity_tokens
+from engine import kv_block_tokens, kv_capacity_tokens, turn_tokens
 from rollout import (RolloutConfig, add_tool_turn, end_turn, sampling_params, score, start_trajectories,
-                     trajectory_metrics, turn_tokens)
+                     trajectory_metrics)
 
 
 class ProblemQueue:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import time
 from collections import defaultdict
 
@@ -33,11 +32,12 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import memory_plan
-from engine import full_weights, kv_capacity_tokens, make_engine, sleep, sync_weights, wake_for_rollout
+from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
+                    sync_weights, trainer_offloaded, wake_for_rollout)
 from grpo_roc import (DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, effective_sample_size,
                       filter_void_turns, group_advantages, mismatch_correction, policy_loss)
-from rollout import (ProblemStream, add_rollout_flags, collapse_alarms, drop_long_prompts, model_eos_ids,
-                     read_problems, rollout_config)
+from rollout import (ProblemStream, add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems,
+                     rollout_config)
 from sandbox import Sandbox
 from scheduler import ProblemQueue, rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, complete_checkpoints, cpu_group, empty_pass,
@@ -57,7 +57,8 @@ STAGES = {  # paper §4.3
 PRESETS = {  # the toy world on a CPU: the SFT'd toy model, minutes not days
     "toy": dict(model="runs/toy_sft", data="data/toy/train.jsonl", out_dir="runs/toy_rl", steps=20,
                 problems_per_step=16, rollouts_per_problem=8, group_size=4, max_response=384,
-                max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2, save_every=10, sample_every=5),
+                max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2, save_every=10, sample_every=5,
+                deterministic=True),  # (seeded turns: a rerun is the same run; cheap on a CPU)
 }
 
 parser = argparse.ArgumentParser(description="GRPO-RoC training with multi-turn Python tool use.")
@@ -117,16 +118,8 @@ optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
                           help="tokens per forward pass, padding included (the memory plan assumes it)")
 
 infra = parser.add_argument_group("infrastructure")
-infra.add_argument("--memory-fraction", default="auto",
-                   help="GPUs: the engine's share of GPU memory (weights + KV); auto: the memory plan's")
-infra.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="CPUs: the engine's KV cache in tokens (default: engine.CPU_KV_CACHE_TOKENS)")
-infra.add_argument("--plan", action="store_true",
-                   help="print the memory plan per GPU (from the model's config alone) and exit")
-infra.add_argument("--gpu-memory", type=float, default=None,
-                   help="GiB per GPU for the plan (default: this GPU's, else 80)")
-infra.add_argument("--plan-gpus", type=int, default=None,
-                   help="GPUs for --plan (default: torchrun's world size, else 8)")
+add_engine_flags(infra, memory_fraction="auto")  # --memory-fraction (auto: the plan's), --kv-cache-tokens
+memory_plan.add_plan_flags(infra)  # --offload-trainer, --plan, --gpu-memory, --plan-gpus
 infra.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,
                    help="how long a rank may wait for the others (their rollouts) before the job fails")
 infra.add_argument("--save-every", type=int, default=10,
@@ -147,10 +140,11 @@ config = vars(args)
 # The memory plan (memory_plan.py): --plan prints it and exits; on GPUs it sets the engine's share.
 
 plan_settings = dict(gpu_gib=args.gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
-                     rollout_tokens=args.max_prompt + args.max_response)
+                     rollout_tokens=args.max_prompt + args.max_response,
+                     rollouts_per_step=args.problems_per_step * args.rollouts_per_problem)
 if args.plan:
     raise SystemExit(memory_plan.report(args.model, args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8)),
-                                        **plan_settings))
+                                        offload=args.offload_trainer, **plan_settings))
 problems = read_problems(args.data)  # (checked before anything slow starts)
 
 # -----------------------------------------------------------------------------
@@ -161,14 +155,13 @@ master = rank == 0
 log = print if master else (lambda *a, **k: None)
 if args.problems_per_step % world_size:
     raise SystemExit(f"--problems-per-step {args.problems_per_step} does not divide across {world_size} "
-                     f"ranks\n---> HINT: use a multiple of {world_size}, "
-                     f"e.g. {args.problems_per_step // world_size * world_size or world_size}")
+                     f"ranks\n---> HINT: use a multiple of {world_size}")
 if args.group_size > args.rollouts_per_problem:
     raise SystemExit(f"--group-size {args.group_size} > --rollouts-per-problem {args.rollouts_per_problem}\n"
                      f"---> HINT: RoC keeps G of 2G rollouts; the paper samples 32 and keeps 16")
-# on GPUs with --memory-fraction auto: the plan's share, the plan printed (SystemExit if it does not fit)
-memory_fraction = memory_plan.engine_share(args.memory_fraction, device, args.model, world_size, log,
-                                           **plan_settings)
+# on GPUs the plan, printed, says what is auto: the engine's share and whether the trainer offloads
+memory_fraction, offload = memory_plan.gpu_settings(args.memory_fraction, args.offload_trainer, device,
+                                                    args.model, world_size, log, **plan_settings)
 log(json.dumps(config, indent=2) + f"\nworld size {world_size}, device {device.type}")
 check_shared_dir(args.out_dir)
 
@@ -206,18 +199,19 @@ stream = ProblemStream(problems, args.seed)
 
 # -----------------------------------------------------------------------------
 # Rollout engine and sandbox: one vLLM engine per rank on its own GPU (colocated), asleep while the
-# trainer runs; a sandbox pool per rank sized to its share of the node's cores. A rank whose pool
-# cannot start raises, and torchrun stops the job.
+# trainer runs, its weights the trainer's (it never reads the checkpoint); a sandbox pool per rank
+# sized to its share of the node's cores. A rank whose pool cannot start raises: the job stops.
 
-llm = make_engine(args.model, max_model_len=args.max_prompt + args.max_response, seed=args.seed,
-                  memory_fraction=memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
-                  external_launcher=world_size > 1)
+with trainer_offloaded(model, optimizer, device, offload):  # (vLLM wants its whole share free at start)
+    llm = make_engine(args.model, max_model_len=args.max_prompt + args.max_response, seed=args.seed,
+                      memory_fraction=memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
+                      external_launcher=world_size > 1, weights=False)
+    sleep(llm)  # (until the sync below wakes its weights: the KV cache wakes for the first rollout)
 kv_budget = int(kv_capacity_tokens(llm.llm_engine) * args.kv_overcommit)
 sandbox = Sandbox(timeout=args.tool_timeout)
 roll_out = rollout_scheduled if args.driver == "scheduler" else rollout_lockstep
 sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-if start_step or args.init_from:
-    sync_weights(llm, full_weights(model, sync_dtype))
+sync_weights(llm, full_weights(model, sync_dtype))  # (before the first rollout)
 wandb_run = None
 if args.wandb and master:
     import wandb  # optional: only when asked for
@@ -323,13 +317,14 @@ for step in range(start_step, args.steps):
     batch = stream.take(position, args.problems_per_step)
     position += args.problems_per_step
     cfg = rollout_config(args, seed=step_seed, kv_budget=kv_budget, eos_ids=eos_ids)
-    wake_for_rollout(llm)
     t0 = time.perf_counter()
     problem_queue = ProblemQueue(key=f"{args.out_dir}/{step}", distributed=world_size > 1, group=cpu_group())
-    trajs, stats = roll_out(llm.llm_engine, tokenizer, sandbox, batch, args.rollouts_per_problem, cfg,
-                            problem_queue)
+    with trainer_offloaded(model, optimizer, device, offload):  # (when the plan gives the engine its room)
+        wake_for_rollout(llm)
+        trajs, stats = roll_out(llm.llm_engine, tokenizer, sandbox, batch, args.rollouts_per_problem, cfg,
+                                problem_queue)
+        sleep(llm)
     row["rollout_seconds"] = time.perf_counter() - t0
-    sleep(llm)
 
     # ---- 3. GRPO-RoC: guards, down-sampling, advantages ----
     groups = defaultdict(list)
@@ -391,13 +386,9 @@ for step in range(start_step, args.steps):
     if last or (args.save_every and (step + 1) % args.save_every == 0):
         meta = dict(position=position, stream_start=stream_start, config=config)
         save_checkpoint(model, optimizer, ckpt_root, step + 1, meta, keep=args.keep_checkpoints)
-    if last or (args.export_every and (step + 1) % args.export_every == 0):
-        export = os.path.join(args.out_dir, f"hf_step_{step + 1}")
-        save_hf_checkpoint(model, tokenizer, export, dtype=sync_dtype)
-        if master:  # `final` always points at the newest export
-            final = os.path.join(args.out_dir, "final")
-            shutil.rmtree(final, ignore_errors=True)
-            shutil.copytree(export, final)
+    if last or (args.export_every and (step + 1) % args.export_every == 0):  # final/: the newest export
+        export, final = os.path.join(args.out_dir, f"hf_step_{step + 1}"), os.path.join(args.out_dir, "final")
+        save_hf_checkpoint(model, tokenizer, export, dtype=sync_dtype, latest=final)
 
 # -----------------------------------------------------------------------------
 # Cleanup: the engine goes before the process group, or its finalizer complains.

@@ -1,20 +1,17 @@
 """The training machinery sft.py and train.py share (eval.py uses the process group).
 
-1. The process group: torchrun's environment, or a group of one; NCCL on GPUs, gloo on CPUs, with
-   a timeout that fits RL (ranks wait minutes for each other's rollouts), and a gloo group for
-   Python objects and waits, so that no rank ever waits inside an NCCL collective.
-2. The model: rank 0 reads the checkpoint, the other ranks build it on the meta device; FSDP2
-   shards every decoder layer, then the root (embeddings, final norm, head). bf16 compute with
-   fp32 master weights and fp32 gradient reduction on GPUs, fp32 throughout on CPUs.
-3. Micro-batches: a step's sequences dealt longest first, each to the rank with the fewest tokens
-   so far, each share cut by a token budget; every rank runs as many passes as the busiest (FSDP's
-   collectives need all ranks in each one). Trajectories become the trainer's tensors here.
-4. Token log-probs: log p(token t+1 | tokens <= t) at every position, the numbers both losses use,
-   computed over chunks of positions so that memory grows with the chunk, not tokens x vocabulary.
-5. The HF export, written by rank 0 (the engine gets the weights through engine.full_weights).
-6. Checkpoints: sharded, written to step_N.tmp by every rank and renamed to step_N by rank 0 once
-   complete (a crash mid-write never leaves a broken step_N); the newest N kept; loaded with or
-   without the optimizer; the run's logs rewound to the checkpoint on resume.
+1. The process group: torchrun's or one of one; NCCL on GPUs, gloo on CPUs, with a timeout that fits
+   RL, and a gloo group for objects and waits: no rank ever waits inside an NCCL collective.
+2. The model: rank 0 reads the checkpoint, the others build it on the meta device; FSDP2 shards each
+   decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs.
+3. Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
+   share cut by a token budget, as many passes on every rank (FSDP's collectives need them all).
+4. Token log-probs at every position, over chunks of positions: memory grows with the chunk, not
+   with tokens x vocabulary.
+5. The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
+6. Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
+   leaves a broken step_N), the newest N kept, loaded with or without the optimizer; the run's logs
+   rewound to the checkpoint on resume.
 7. Files: the check that every rank sees the output folder (all write checkpoints, one renames).
 """
 import copy
@@ -46,8 +43,7 @@ _cpu_group = None
 
 
 def init_distributed(timeout_minutes: float = DIST_TIMEOUT_MINUTES):
-    """Join torchrun's process group, or make a group of one. Returns (rank, local_rank, world_size,
-    device)."""
+    """Join torchrun's process group, or make one of one. Returns (rank, local_rank, world_size, device)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -66,8 +62,7 @@ def init_distributed(timeout_minutes: float = DIST_TIMEOUT_MINUTES):
 
 
 def cpu_group():
-    """The group for Python objects and for waiting on other ranks: gloo, on the CPU (a rank that
-    waits inside an NCCL collective is killed by NCCL's watchdog, and objects would go via GPU)."""
+    """The gloo group for objects and waits (NCCL's watchdog kills a rank that waits inside NCCL)."""
     return _cpu_group
 
 # -----------------------------------------------------------------------------
@@ -119,14 +114,14 @@ def load_sharded_model(path: str, device, activation_checkpointing: bool = False
         dist.broadcast(buffer, src=0)
     return model
 
+
 # -----------------------------------------------------------------------------
 # (3) Micro-batches
 
 
 def plan_micro_batches(lengths: list[int], budget: int, world_size: int) -> list[list[list[int]]]:
-    """Per rank, its micro-batches as lists of indices into `lengths`: rows x longest row <= budget
-    (a sequence longer than the budget goes alone). All ranks get the same number of micro-batches;
-    a rank with fewer sequences gets empty ones at the end (see empty_pass)."""
+    """Per rank, its micro-batches as lists of indices into `lengths`: rows x longest row <= budget (a
+    longer sequence goes alone); all ranks get as many (empty ones at the end: see empty_pass)."""
     shares, load = [[] for _ in range(world_size)], [0] * world_size
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # longest first, to the lightest rank
         lightest = load.index(min(load))
@@ -152,10 +147,9 @@ def right_pad(rows: list[list], value) -> torch.Tensor:
 
 
 def trajectory_tensors(trajs, pad_id: int, device):
-    """The trainer's view of rollout.Trajectory rows: (input_ids, attention_mask, loss_mask,
-    sampler_logp). The log-prob at position k scores token k + 1, so response token r sits at
-    position len(prompt) - 1 + r: the loss mask (0 on the prompt and on every tool turn) and the
-    sampler's log-probs are shifted by one against the ids."""
+    """The trainer's view of trajectories: input_ids, attention_mask, loss_mask, sampler_logp. The log-prob
+    at position k scores token k + 1: the loss mask (0 on the prompt and every tool turn) and the
+    sampler's log-probs are shifted by one against the ids (response token r at len(prompt) - 1 + r)."""
     ids = [list(t.prompt_ids) + list(t.response_ids) for t in trajs]
     shift = [len(t.prompt_ids) - 1 for t in trajs]
     input_ids = right_pad(ids, pad_id)                                                        # (B, T)
@@ -166,8 +160,7 @@ def trajectory_tensors(trajs, pad_id: int, device):
 
 
 def empty_pass(model, pad_id: int, device) -> None:
-    """A forward (and, when gradients are on, a backward) of two tokens with a zero loss, for a rank
-    with no micro-batch left."""
+    """A forward (and, with gradients on, a backward) of two tokens, zero loss: a rank's pass with nothing."""
     input_ids = torch.full((1, 2), pad_id, device=device)
     logp = token_logprobs(model, input_ids, torch.ones_like(input_ids))
     if torch.is_grad_enabled():
@@ -177,17 +170,15 @@ def empty_pass(model, pad_id: int, device) -> None:
 # (4) Token log-probs
 
 LOGPROB_CHUNK_TOKENS = 1024  # positions per chunk: 0.6 GB of fp32 logits at a 152K vocabulary
-# FSDP2 warns that the model returns a view (the embeddings among the hidden states) that an in-place
-# op could detach from its hooks; nothing here changes the outputs in place.
+# FSDP2 warns that the outputs include a view (the embeddings): nothing here changes them in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
                    chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """log softmax(logits / temperature)[input_ids[:, t + 1]] at every position t: (B, T-1), fp32.
-    The model runs without its head on all but the last position, its final hidden states kept;
-    the head, the temperature and the log-softmax then run over chunks of positions, each
-    recomputed in the backward, so no tensor of T x V ever exists, only chunk x V."""
+    """log softmax(logits / temperature)[input_ids[:, t + 1]] at every position t: (B, T-1), fp32. The
+    head, the temperature and the log-softmax run over chunks of positions of the final hidden states,
+    each recomputed in the backward: no tensor of T x V ever exists, only chunk x V."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                 output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1][:, :-1]                      # (B, T-1, H), after the final norm
@@ -211,9 +202,9 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature):
 # (5) The HF export
 
 
-def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32) -> None:
-    """Gather the full state dict from the FSDP2 shards and write an HF checkpoint (on rank 0).
-    Every rank must call this: the gather is a collective."""
+def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, latest: str | None = None):
+    """Gather the full state dict from the FSDP2 shards and write an HF checkpoint (on rank 0), and a
+    copy at `latest` if given. Every rank must call this: the gather is a collective."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state_dict = get_model_state_dict(model, options=options)
     if dist.get_rank() == 0:
@@ -224,6 +215,9 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32) -> N
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = CHAT_TEMPLATE  # apply_chat_template and `vllm serve` render our format
         tokenizer.save_pretrained(out_dir)
+        if latest:
+            shutil.rmtree(latest, ignore_errors=True)
+            shutil.copytree(out_dir, latest)
     dist.barrier(group=cpu_group())
 
 # -----------------------------------------------------------------------------
@@ -238,8 +232,7 @@ def complete_checkpoints(root: str) -> list[str]:
 
 
 def save_checkpoint(model, optimizer, root: str, step: int, meta: dict, keep: int = 0) -> None:
-    """Write step_N (model, optimizer, `meta` + the step); keep the newest `keep` (0: all). Every rank
-    calls it: each writes its shards."""
+    """Write step_N (model, optimizer, `meta` + the step), keep the newest `keep` (0: all): every rank."""
     final = os.path.join(root, f"step_{step}")
     tmp = final + ".tmp"
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
@@ -254,10 +247,9 @@ def save_checkpoint(model, optimizer, root: str, step: int, meta: dict, keep: in
 
 
 def load_checkpoint(model, optimizer, path: str, with_optimizer: bool = True) -> dict:
-    """Load a checkpoint folder (step_N) into the sharded model and, `with_optimizer`, the optimizer;
-    returns its meta. Without the optimizer nothing of it is read and `optimizer` stays as it is
-    (dcp.load fills in place exactly the entries asked for: asking for the optimizer's state would
-    overwrite a fresh optimizer's moments and step count even if it were never set)."""
+    """Load step_N into the sharded model and, `with_optimizer`, the optimizer; returns its meta. Without,
+    the optimizer's state is not even asked for: dcp.load fills in place what is asked for, a fresh
+    optimizer's moments and step count included, set_optimizer_state_dict or not."""
     state = {"model": get_model_state_dict(model)}
     if with_optimizer:  # (materialises the optimizer's state: one zero step of AdamW, torch 2.13)
         state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -270,16 +262,13 @@ def load_checkpoint(model, optimizer, path: str, with_optimizer: bool = True) ->
 
 
 def find_checkpoint(path: str) -> str:
-    """`path` itself if it is a checkpoint (step_N), else the newest complete one in it; says what
-    it did not find otherwise."""
+    """`path` if it is a checkpoint (step_N), else the newest complete one in it, else an error."""
     if os.path.exists(os.path.join(path, "meta.json")):
         return path
     found = complete_checkpoints(path)
     if not found:
         raise FileNotFoundError(f"{path}: no complete checkpoint (a step_N folder with its meta.json)\n"
-                                f"---> HINT: pass the earlier run's checkpoints folder, e.g. runs/stage1/"
-                                f"checkpoints; a run always checkpoints its last step, so an empty folder "
-                                f"means the run did not finish: resume it with --resume 1")
+                                f"---> HINT: a run always saves its last step; resume one that stopped early")
     return found[-1]
 
 
@@ -300,20 +289,17 @@ def rewind_logs(out_dir: str, step: int) -> None:
 
 
 def check_shared_dir(path: str) -> None:
-    """Fail at start-up, on every rank, unless all ranks see `path` as one folder: rank 0 writes a
-    file there, the others look for it. (Checkpoints are written by every rank into one folder and
-    renamed by rank 0; across nodes that needs a shared filesystem.)"""
+    """Fail at start-up, on every rank, unless all ranks see `path` as one folder (rank 0 writes a file
+    there, all look for it): checkpoints are written by all ranks into one folder, renamed by rank 0."""
     token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0, group=cpu_group())
     probe = os.path.join(path, f".shared-{token[0]}")
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("every rank must see this file\n")
+        open(probe, "w").close()
     dist.barrier(group=cpu_group())
     seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, os.path.exists(probe), group=cpu_group())
-    dist.barrier(group=cpu_group())
+    dist.all_gather_object(seen, os.path.exists(probe), group=cpu_group())  # (every rank has looked)
     if dist.get_rank() == 0:
         os.remove(probe)
     if not all(seen):

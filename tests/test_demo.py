@@ -36,7 +36,7 @@ def test_demo_runs_the_recipe_and_the_ablation_adds_a_column(tmp_path, toy_world
     stdout = run_demo(tmp_path)
     assert "1/5 toy world" in stdout and "already done" in stdout, "an existing stage was not skipped"
     sft = json.loads((tmp_path / "runs/demo/eval_sft/table.json").read_text())["table"][0]
-    rl = json.loads((tmp_path / "runs/demo/eval_rl/table.json").read_text())["table"][0]
+    rl = json.loads((tmp_path / "runs/demo/eval_roc/table.json").read_text())["table"][0]
     assert sft["samples"] == rl["samples"] == 2 * sft["problems"]
     accuracy = table_line(stdout, "accuracy (avg pass@1, %)")
     assert accuracy == [f"{100 * sft['avg_pass@1']:.1f}", f"{100 * rl['avg_pass@1']:.1f}"], "table != table.json"
@@ -50,5 +50,5 @@ def test_demo_runs_the_recipe_and_the_ablation_adds_a_column(tmp_path, toy_world
     header = [line for line in stdout.splitlines() if "RL (RoC)" in line and "SFT" in line][0]
     assert header.split() == ["SFT", "RL", "(RoC)", "RL", "(no", "RoC)"], header
     assert len(table_line(stdout, "tool-use rate (%)")) == 3
-    assert '"no_roc": true' in stdout, "the ablation did not pass --no-roc to train.py"
+    assert '"downsample": "uniform"' in stdout, "the ablation did not reach train.py as --downsample uniform"
     assert (tmp_path / "runs/toy_rl_noroc/final/model.safetensors").exists()

@@ -5,6 +5,8 @@ vllm 0.32's bookkeeping (level-1 sleep puts "weights" and "kv_cache" to sleep; w
 wakes those tags) and records every call the cycle makes."""
 from types import SimpleNamespace
 
+import pytest
+
 from engine import kv_bytes_per_token, sleep, sync_weights, wake_for_rollout
 from rollout import RolloutConfig, Trajectory, sampling_params
 
@@ -60,6 +62,50 @@ def test_turns_ask_for_the_finished_turn_only_and_no_text(toy_world):
     params = sampling_params(Trajectory(index=0, response_ids=[1] * 10), RolloutConfig(max_response=100), tok)
     assert params.output_kind == RequestOutputKind.FINAL_ONLY and params.detokenize is False
     assert params.max_tokens == 90 and params.logprobs == 0
+
+
+def test_one_engine_seed_by_default_and_a_seed_per_turn_when_deterministic(toy_world):
+    """vLLM 0.32 samples requests that carry their own seed one by one: only --deterministic pays that."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(toy_world / "init_model")
+    traj = Trajectory(index=3, sample=1)
+    assert sampling_params(traj, RolloutConfig(seed=7), tok).seed is None, "a seed per request by default"
+    seeded = [sampling_params(traj, RolloutConfig(seed=7, deterministic=True), tok).seed for _ in range(2)]
+    traj.num_turns = 1
+    next_turn = sampling_params(traj, RolloutConfig(seed=7, deterministic=True), tok).seed
+    assert seeded[0] == seeded[1] is not None and next_turn != seeded[0], "a seed of its own for every turn"
+
+
+def test_a_multiprocess_engine_is_refused_before_anything_loads(monkeypatch, tmp_path):
+    from engine import make_engine
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1(.|\n)*HINT: unset it"):
+        make_engine(str(tmp_path / "no-model-needed"), max_model_len=64)
+
+
+@pytest.mark.slow
+def test_an_engine_started_without_the_checkpoint_samples_like_one_that_read_it(toy_engine, toy_sft_model,
+                                                                              toy_world, sandbox):
+    """train.py's engine starts with random weights (vLLM's dummy load format) and gets the trainer's at
+    a sync before the first rollout: its rollouts must be those of an engine that read the checkpoint."""
+    import json
+    import torch
+    from transformers import AutoModelForCausalLM
+    from engine import full_weights, make_engine, sync_weights
+    from scheduler import rollout_lockstep
+    tok = toy_engine.get_tokenizer()
+    problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:4]]
+    cfg = RolloutConfig(deterministic=True, max_response=256, seed=11)
+    blank = make_engine(str(toy_sft_model), max_model_len=1024, kv_cache_tokens=8192, weights=False)
+    before, _ = rollout_lockstep(blank.llm_engine, tok, sandbox, problems, 2, cfg)
+    model = AutoModelForCausalLM.from_pretrained(toy_sft_model, dtype=torch.float32)
+    sync_weights(blank, full_weights(model, torch.float32))
+    synced, _ = rollout_lockstep(blank.llm_engine, tok, sandbox, problems, 2, cfg)
+    read, _ = rollout_lockstep(toy_engine.llm_engine, tok, sandbox, problems, 2, cfg)
+    assert [list(t.response_ids) for t in before] != [list(t.response_ids) for t in read], \
+        "random weights sampled what the checkpoint does: this check could not fail"
+    assert [list(t.response_ids) for t in synced] == [list(t.response_ids) for t in read], \
+        "after the first sync the engine must sample exactly what one that read the checkpoint samples"
 
 
 def test_kv_bytes_per_token_of_the_toy_model(toy_world):

@@ -300,7 +300,8 @@ def test_untrusted_text_never_becomes_a_control_token(qwen3_tokenizer):
 
 
 def test_a_turn_ending_with_any_of_the_models_eos_ids_is_finished(qwen3_tokenizer, tmp_path):
-    from rollout import RolloutConfig, Trajectory, end_turn, end_of_turn_ids, model_eos_ids, score
+    from engine import model_eos_ids
+    from rollout import RolloutConfig, Trajectory, end_turn, end_of_turn_ids, score
     from transformers import GenerationConfig
     tok = qwen3_tokenizer
     GenerationConfig(eos_token_id=151643).save_pretrained(tmp_path)  # a Qwen3 base model's

@@ -20,8 +20,8 @@ import torch
 
 from conversation import (CHAT_TEMPLATE, encode, format_tool_response, prompt_ids, render_messages,
                           tool_turn_pieces)
-from rollout import (FINISH_REASONS, RolloutConfig, Trajectory, add_tool_turn, end_turn, score,
-                     model_eos_ids, sampling_params, turn_tokens)
+from engine import model_eos_ids, turn_tokens
+from rollout import FINISH_REASONS, RolloutConfig, Trajectory, add_tool_turn, end_turn, sampling_params, score
 from scheduler import request_id
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def tool_trajectories(smollm2_engine, smollm2_model_dir, sandbox, toy_world):
         ids, _ = render_messages(tokenizer, shots + [{"role": "user", "content": problem["question"]}])
         trajs.append(Trajectory(index=i, prompt_ids=ids, gold=problem["answer"]))
     eos_ids = model_eos_ids(str(smollm2_model_dir))
-    cfg = RolloutConfig(max_response=MAX_RESPONSE, temperature=1.0, seed=1, eos_ids=eos_ids)
+    cfg = RolloutConfig(deterministic=True, max_response=MAX_RESPONSE, temperature=1.0, seed=1, eos_ids=eos_ids)
     engine = Recorder(smollm2_engine.llm_engine)
     shown = roll_out(engine, tokenizer, sandbox, trajs, cfg)
     return trajs, engine, shown

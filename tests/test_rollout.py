@@ -167,7 +167,8 @@ def lockstep_batch(toy_engine, sandbox, problems):
     from scheduler import rollout_lockstep
     tok = toy_engine.get_tokenizer()
     rec = Recorder(toy_engine.llm_engine)
-    trajs, stats = rollout_lockstep(rec, tok, sandbox, problems, 4, RolloutConfig(max_response=512, seed=1))
+    cfg = RolloutConfig(deterministic=True, max_response=512, seed=1)
+    trajs, stats = rollout_lockstep(rec, tok, sandbox, problems, 4, cfg)
     return trajs, stats, rec
 
 
@@ -239,7 +240,7 @@ def test_at_temperature_0_7_sampler_and_trainer_score_the_distribution_that_drew
     from scheduler import rollout_lockstep
     from training import token_logprobs
     trajs, _ = rollout_lockstep(toy_engine.llm_engine, toy_engine.get_tokenizer(), sandbox, problems[:8], 2,
-                                RolloutConfig(max_response=256, temperature=0.7, seed=5))
+                                RolloutConfig(deterministic=True, max_response=256, temperature=0.7, seed=5))
     model = AutoModelForCausalLM.from_pretrained(toy_sft_model, dtype=torch.float32)
     worst = max_diff_hf_vs_sampler(model, trajs, temperature=0.7)
     assert worst < 1e-4, f"the sampler's log-probs are not log_softmax(logits / 0.7): off by {worst:.2e}"
@@ -257,7 +258,7 @@ def test_weight_sync_reaches_the_engine_prefix_cache_included(toy_engine, toy_sf
     from transformers import AutoModelForCausalLM
     from engine import sync_weights
     from scheduler import rollout_lockstep
-    tok, cfg = toy_engine.get_tokenizer(), RolloutConfig(max_response=48, max_turns=1, seed=3)
+    tok, cfg = toy_engine.get_tokenizer(), RolloutConfig(deterministic=True, max_response=48, max_turns=1, seed=3)
     engine = toy_engine.llm_engine
     model = AutoModelForCausalLM.from_pretrained(toy_sft_model, torch_dtype=torch.float32)
     original = {k: v.clone() for k, v in model.state_dict().items()}
@@ -313,7 +314,7 @@ def test_an_infinite_loop_costs_one_timeout_not_the_batch(toy_engine, sandbox, p
 
     tok = toy_engine.get_tokenizer()
     trajs, stats = rollout_lockstep(toy_engine.llm_engine, tok, HangTheFirstCall(), problems, 2,
-                                    RolloutConfig(max_response=512))
+                                    RolloutConfig(deterministic=True, max_response=512))
     assert sum(t.tool_failures.get("timeout", 0) for t in trajs) == 1, "only the looping call may time out"
     assert all(t.finish_reason for t in trajs)
     assert stats["tool_wait_seconds"] < 2 * sandbox.timeout + 5, "the loop must cost one timeout, not more"

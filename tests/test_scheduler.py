@@ -67,7 +67,7 @@ def tok(toy_world):
 def test_admission_never_exceeds_the_kv_budget_and_refills(tok, sandbox):
     problems = [{"question": f"What is {i}?", "answer": str(i)} for i in range(12)]
     prompt_len = len(tok.encode(render_prompt("What is 10?"), add_special_tokens=False))
-    cfg = RolloutConfig(max_response=200)
+    cfg = RolloutConfig(deterministic=True, max_response=200)
     cfg.kv_budget = 2 * (prompt_len + cfg.max_response)  # the paper's reservation: room for two
     engine = StepEngine(tok, scripted_turn)
     trajs, stats = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg)
@@ -88,7 +88,7 @@ def test_admission_counts_what_a_trajectory_holds_plus_one_mean_turn(tok, sandbo
     answer = scripted_turn(12, 0, 0)                         # an answer, no tool call
     turn_len = len(tok.encode(answer, add_special_tokens=False))
     prompt_len = len(tok.encode(render_prompt("What is 10?"), add_special_tokens=False))
-    cfg = RolloutConfig(max_response=200, max_turns=10)
+    cfg = RolloutConfig(deterministic=True, max_response=200, max_turns=10)
     cfg.kv_budget = 2 * (prompt_len + cfg.max_response)
     engine = StepEngine(tok, lambda index, sample, turn: answer)
     rollout_scheduled(engine, tok, sandbox, problems, 1, cfg)
@@ -107,7 +107,8 @@ def test_a_slow_tool_call_does_not_hold_up_the_others(tok, sandbox):
 
     engine = StepEngine(tok, turns)
     t0 = time.perf_counter()
-    trajs, stats = rollout_scheduled(engine, tok, sandbox, problems, 1, RolloutConfig(max_response=200, kv_budget=10**6))
+    cfg = RolloutConfig(deterministic=True, max_response=200, kv_budget=10**6)
+    trajs, stats = rollout_scheduled(engine, tok, sandbox, problems, 1, cfg)
     order = engine.finished
     assert order[-1] == 0 and sorted(order[:-1]) == [1, 2, 3, 4, 5], \
         f"the others must finish while problem 0's tool call times out; finish order {order}"
@@ -118,7 +119,7 @@ def test_a_slow_tool_call_does_not_hold_up_the_others(tok, sandbox):
 
 def test_lockstep_runs_its_rank_share_and_the_scheduler_the_same_turns(tok, sandbox):
     problems = [{"question": f"What is {i}?", "answer": str(i)} for i in range(5)]
-    cfg = RolloutConfig(max_response=200, kv_budget=10**6)
+    cfg = RolloutConfig(deterministic=True, max_response=200, kv_budget=10**6)
     lock, _ = rollout_lockstep(StepEngine(tok, scripted_turn), tok, sandbox, problems, 2, cfg)
     sched, _ = rollout_scheduled(StepEngine(tok, scripted_turn), tok, sandbox, problems, 2, cfg)
     assert [(t.index, t.sample, t.response_ids, t.reward) for t in lock] == \
@@ -148,7 +149,7 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
     from engine import kv_block_tokens
     tok, engine = toy_engine.get_tokenizer(), toy_engine.llm_engine
     problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:32]]
-    cfg = RolloutConfig(max_response=512, temperature=temperature)
+    cfg = RolloutConfig(deterministic=True, max_response=512, temperature=temperature)
     lock, _ = rollout_lockstep(engine, tok, sandbox, problems, 2, cfg)
     if temperature > 0:
         assert sum(t.tool_calls for t in lock) >= 5 and max(t.num_turns for t in lock) >= 2, \
@@ -219,7 +220,7 @@ def _rank_main(model: str, out: str):
     engine = StepEngine(tok, turns)
     problems = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
     longest = max(len(tok.encode(render_prompt(p["question"]), add_special_tokens=False)) for p in problems)
-    cfg = RolloutConfig(max_response=64)
+    cfg = RolloutConfig(deterministic=True, max_response=64)
     cfg.kv_budget = longest                                # less than one trajectory holds with its turn
     with Sandbox(workers=1, timeout=10.0) as sandbox:
         dist.barrier()                                     # start pulling together
