@@ -311,3 +311,30 @@ def test_resuming_drops_what_was_logged_after_the_checkpoint(tmp_path):
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     samples = (tmp_path / "samples.txt").read_text()
     assert samples.count("===== step") == 4 and "step 3" not in samples and "text of 2\n" in samples
+
+
+def test_offloading_the_trainer_around_each_rollout_trains_bit_for_bit_the_same():
+    """engine.trainer_offloaded moves the fp32 shards and AdamW moments out and back around every
+    rollout (on a CPU: copies within host memory, the same code path as to pinned memory and back)."""
+    from engine import trainer_offloaded
+    from training import init_distributed, shard_model
+    init_distributed()
+    runs = []
+    for offload in (False, True):
+        model = shard_model(random_model(layers=2, seed=3), torch.device("cpu"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        params = list(model.parameters())
+        torch.manual_seed(0)
+        for _ in range(3):
+            with trainer_offloaded(model, optimizer, torch.device("cpu"), offload):
+                moved = [p.to_local().data_ptr() for p in model.parameters()]  # (the rollout runs here)
+            trained_steps(model, optimizer, 1)
+        assert list(model.parameters()) == params, "the optimizer must still hold the model's parameters"
+        runs.append(({k: v.full_tensor() for k, v in model.state_dict().items()}, optimizer.state_dict()))
+    assert moved != [p.to_local().data_ptr() for p in model.parameters()], "nothing was moved and back"
+    (weights, optim), (weights_offloaded, optim_offloaded) = runs
+    assert all(torch.equal(weights[k], weights_offloaded[k]) for k in weights), "offloading changed training"
+    for state, state_offloaded in zip(optim["state"].values(), optim_offloaded["state"].values()):
+        assert all(torch.equal(state[k].full_tensor() if hasattr(state[k], "full_tensor") else state[k],
+                               state_offloaded[k].full_tensor() if hasattr(state_offloaded[k], "full_tensor")
+                               else state_offloaded[k]) for k in state), "the moments differ"
