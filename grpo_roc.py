@@ -2,59 +2,44 @@
 
 What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
 
-1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5 when it made
-   none (to encourage tool use). Failures are read from the trajectory's structured
-   `tool_failures` (error, timeout, oom, parse); the official code instead looks for the
-   substring "error" in each <tool_response>, which misses plain timeouts and flags programs
-   that print the word. p_format = 1 without an <answer>, else min(1, (#answers - 1) / #turns),
-   where #turns counts every assistant turn (the official code misses the first, so one-turn
-   answers always get 1).
-2. Groups whose rewards are all equal are dropped: their advantages are all zero, so they carry
-   no gradient. There is no refill; the batch shrinks.
-3. Negatives: floor(|neg| / 2) kept uniformly at random, as in the paper. Departure: at least one
-   is kept. With a single negative the paper's floor keeps none, and the kept group is
-   all-correct: zero advantage, wasted. (The official code keeps the first k in rollout order,
-   k rounded in proportion, at least 2.)
-4. Positives fill the rest of G, sampled without replacement (one draw at a time) with
-   probability proportional to 1 / (p_total + eps), eps = 1e-3, as in the paper; the official
-   code deterministically takes the lowest p_total first. At least one positive survives.
-   Beyond the paper's exact 2G -> G case: if positives run short, more negatives fill G; a group
-   of at most G rollouts is kept whole, and flagged `short_group` when it has fewer than G.
-5. `downsample_uniform` is the plain "GRPO with tool" ablation at equal compute: it drops
-   all-equal groups exactly like (2), so both arms train on the same problems, then keeps G of
-   the 2G uniformly at random. A subset can by chance be all-equal; it is kept (zero advantage),
-   as plain GRPO with G rollouts would keep it.
-6. Advantage: (r - mean) / (std + 1e-6) over the kept G, with the unbiased (Bessel-corrected)
-   std of torch.std, as verl does; a group of one gets 0. The same value applies to every token
-   of the rollout.
+1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5 without a call (to
+   encourage tool use); failures are the trajectory's structured `tool_failures` (error, timeout,
+   oom, parse), where the official code looks for "error" in each <tool_response> (missing plain
+   timeouts, flagging programs that print the word). p_format = 1 without an <answer>, else
+   min(1, (#answers - 1) / #turns), #turns counting every assistant turn (the official code misses
+   the first, so one-turn answers always get 1).
+2. Groups whose rewards are all equal are dropped: zero advantages, no gradient. No refill.
+3. Negatives: floor(|neg| / 2) kept uniformly at random, as in the paper, but at least one (the
+   paper's floor keeps none of a single negative: an all-correct group, wasted). The official code
+   keeps the first k in rollout order, at least 2.
+4. Positives fill the rest of G, drawn one at a time without replacement with probability
+   proportional to 1 / (p_total + 1e-3), as in the paper (the official code takes the lowest
+   p_total first); at least one survives. If positives run short, negatives fill G; a group of at
+   most G rollouts is kept whole, and flagged `short_group` when it has fewer than G.
+5. `downsample_uniform`, the plain "GRPO with tool" ablation at equal compute: the same drop (2),
+   then G of the 2G uniformly (a subset that happens to be all-equal is kept, as GRPO would).
+6. Advantage: (r - mean) / (std + 1e-6) over the kept G, the unbiased std (torch.std, as verl); a
+   group of one gets 0. It applies to every token of the rollout.
 7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level: the sum over
-   masked-in tokens divided by `n_loss_tokens`, the token count of the whole step (all
-   micro-batches, all ranks), so any split gives the gradient of one big batch (DAPO). No KL, no
-   entropy bonus, no dual clip (verl's c = 3 is not in the paper). With one optimizer step per RL
-   step (the paper's, train.py's default) the old policy is the current one: the ratio is 1 and
-   the clip never acts; it does from the second step of train.py --mini-batches K > 1.
-8. Loss metrics are normalised by `n_loss_tokens` like the loss itself, so they add up over
-   micro-batches and ranks to step-level means.
+   masked-in tokens / `n_loss_tokens`, the token count of the whole step (all micro-batches and
+   ranks), so any split gives the gradient of one big batch (DAPO). No KL, no entropy bonus, no
+   dual clip. With one optimizer step per RL step (the paper's) the ratio is 1 and the clip never
+   acts; it does from the second step of train.py --mini-batches K > 1.
+8. Loss metrics are normalised by `n_loss_tokens` too, so they add up to step-level means.
 9. Sandbox failures (always on): a rollout with `sandbox_failed` (a worker died mid-call, a check
-   did not complete) has no outcome: it leaves before anything reads its reward, never a negative.
-   Its group leaves too when fewer than G would remain (it would be judged on less evidence than
-   the others); otherwise only the failed ones leave: dropping every touched group would lose a
-   quarter of the groups of 2G = 32 at a 1% failure rate.
-10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended with
-   neither a tool call nor an answer leaves the update, before (2): G is still filled from the
-   others, and the all-equal drop and the advantages see only what trains.
-11. Sampler/trainer mismatch (off by default). Per loss token r = p_trainer / p_sampler, p_trainer
-   the policy before the step. "tis": weight min(r, C). "mask" (IcePop): a token with r outside
-   [1/C, C] leaves the loss, the others are weighted by r. "seq-mask" (verl's geometric
-   rejection): a rollout whose geometric-mean r is outside [1/C, C] leaves the loss (C ~ 1.001).
-   Masked tokens still count in n_loss_tokens, as in IcePop (verl drops them): masking deletes a
-   token's term without scaling up the others', and the denominator is known before any forward.
+   did not complete) has no outcome: it leaves before anything reads its reward. Its group leaves
+   too when fewer than G would remain (judged on less evidence than the others); otherwise only it
+   does (dropping every touched group would lose a quarter of the groups of 32 at 1% failures).
+10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended
+   with neither a tool call nor an answer leaves, before (2): G is filled from the others.
+11. Sampler/trainer mismatch (off by default), per loss token r = p_trainer / p_sampler, p_trainer
+   the policy before the step: "tis" weighs by min(r, C); "mask" (IcePop) drops tokens with r
+   outside [1/C, C] and weighs the others by r; "seq-mask" (verl's geometric rejection) drops a
+   rollout whose geometric-mean r is outside [1/C, C] (C ~ 1.001). Dropped tokens still count in
+   n_loss_tokens, as in IcePop (verl's leaves them out): the others' terms are not scaled up.
 
-Every down-sampler of DOWNSAMPLERS is fn(group, group_size, rng, **settings), `rng` a
-`random.Random`, and ignores the settings it does not use. It returns `(kept, stats)`: `kept` is
-the kept trajectories in their original order ([] for a dropped group); `stats` holds ints that
-can be summed over groups: dropped_all_equal (0/1), short_group (0/1), n_pos and n_neg (kept
-counts). A rollout is positive when its reward (what the gradient sees) is > 0.
+A down-sampler (DOWNSAMPLERS) is fn(group, group_size, rng, **settings) -> (kept in the group's order,
+stats: ints to sum over groups). A rollout is positive when its reward is > 0.
 """
 import math
 import random
@@ -85,8 +70,13 @@ def format_penalty(traj: Trajectory) -> float:
 
 
 def total_penalty(traj: Trajectory) -> float:
-    """p_total = p_err + p_format, in [0, 2]; also handy for logging."""
+    """p_total = p_err + p_format, in [0, 2]."""
     return tool_error_penalty(traj) + format_penalty(traj)
+
+
+def roc_weight(traj: Trajectory) -> float:
+    """(4) A positive's weight in RoC's draw: 1 / (p_total + eps)."""
+    return 1.0 / (total_penalty(traj) + PENALTY_EPS)
 
 
 # -----------------------------------------------------------------------------
@@ -118,15 +108,10 @@ def _stats(dropped=0, short=0, kept=()):
 
 
 def _weighted_sample(items, weights, k, rng):
-    """k items without replacement: each draw picks among those left, with
-    probability proportional to its weight (successive sampling)."""
+    """k items without replacement, each draw among those left in proportion to their weights."""
     items, weights, chosen = list(items), list(weights), []
     for _ in range(min(k, len(items))):
-        x = rng.random() * sum(weights)
-        i = 0
-        while i < len(items) - 1 and x >= weights[i]:
-            x -= weights[i]
-            i += 1
+        i = rng.choices(range(len(items)), weights=weights)[0]
         chosen.append(items.pop(i))
         weights.pop(i)
     return chosen
@@ -149,9 +134,10 @@ def _in_order(group, chosen):
     return [t for t in group if id(t) in ids]
 
 
-def resample_on_correct(group: list[Trajectory], group_size: int,
-                        rng: random.Random, eps: float = PENALTY_EPS, **settings):
-    """GRPO-RoC down-sampling of one problem's rollouts to `group_size`."""
+def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Random,
+                        positive_weight=None, **settings):
+    """GRPO-RoC down-sampling of one problem's rollouts to `group_size`. positive_weight(traj): a
+    positive's chance to be kept, 1 / (p_total + eps) by default (4)."""
     decided = _prefilter(group, group_size)
     if decided is not None:
         return decided
@@ -161,7 +147,7 @@ def resample_on_correct(group: list[Trajectory], group_size: int,
     n_pos = min(len(pos), group_size - n_neg)               # (4) positives fill the rest
     n_neg = min(len(neg), group_size - n_pos)               # (4) top up with negatives if short
     kept_neg = rng.sample(neg, n_neg)                       # (3) uniform
-    weights = [1.0 / (total_penalty(t) + eps) for t in pos]
+    weights = [(positive_weight or roc_weight)(t) for t in pos]
     kept_pos = _weighted_sample(pos, weights, n_pos, rng)   # (4) prob ~ 1 / p_total
     kept = _in_order(group, kept_neg + kept_pos)
     return kept, _stats(kept=kept)
@@ -196,18 +182,12 @@ def group_advantages(rewards) -> torch.Tensor:
 
 def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
                 eps_low=0.2, eps_high=0.28, token_weights=None):
-    """PPO-clip with Clip-Higher, summed over masked-in tokens / n_loss_tokens.
-
-    logp (B, T) carries the gradient; old_logp (B, T) is the behaviour policy;
-    advantages (B,) is broadcast over tokens; loss_mask (B, T) is 1 on tokens
-    the policy sampled. n_loss_tokens is the masked-in token count of the whole
-    step (all micro-batches and ranks). Returns (loss, metrics) where metrics
-    are floats, each a masked sum / n_loss_tokens (8):
-    clip_frac_low (A < 0 and ratio < 1 - eps_low: clipped, no gradient),
-    clip_frac_high (A > 0 and ratio > 1 + eps_high), ratio_mean, and approx_kl
-    (k3 estimate of KL(old || new): ratio - 1 - log ratio). token_weights (B, T),
-    optional, scale each token's term (mismatch_correction's weights, (11)).
-    """
+    """(7) PPO-clip with Clip-Higher, summed over masked-in tokens / n_loss_tokens. logp (B, T) carries
+    the gradient, old_logp (B, T) is the policy before the step, advantages (B,) apply to every token,
+    loss_mask (B, T) is 1 on sampled tokens, token_weights (B, T) (optional: (11)) scale each term.
+    Returns (loss, metrics), each metric a masked sum / n_loss_tokens (8): clip_frac_low (A < 0, ratio
+    < 1 - eps_low), clip_frac_high (A > 0, ratio > 1 + eps_high), ratio_mean, approx_kl (k3 estimate
+    of KL(old || new))."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
     # zero the log-ratio off the mask so padding can never make inf * 0 = nan
@@ -242,11 +222,9 @@ MISMATCH_MODES = ("none", "tis", "mask", "seq-mask")
 
 
 def mismatch_correction(trainer_logp, sampler_logp, loss_mask, n_loss_tokens, mode, threshold):
-    """(11) Token weights and loss mask for policy_loss. trainer_logp, sampler_logp, loss_mask: (B, T);
-    positions where loss_mask is 0 never count. Returns (token_weights, loss_mask, metrics):
-    token_weights (B, T), None for "none" and "seq-mask"; loss_mask, also 0 on masked tokens; metrics
-    that add over micro-batches and ranks: masked_frac (masked / n_loss_tokens, like (8)) and ess_sum_w,
-    ess_sum_w2, ess_n (the kept tokens' weights, or plain r without weights: effective_sample_size)."""
+    """(11) Token weights (B, T) or None, the loss mask with dropped tokens 0, and metrics that add over
+    micro-batches and ranks: masked_frac (dropped / n_loss_tokens) and the kept tokens' weights (or
+    r) as ess_sum_w, ess_sum_w2, ess_n for effective_sample_size. Off the loss mask nothing counts."""
     if mode not in MISMATCH_MODES:
         raise ValueError(f"unknown mismatch correction {mode!r}\n---> HINT: use one of {MISMATCH_MODES}")
     if mode != "none" and not threshold > 1.0:
@@ -276,8 +254,8 @@ def mismatch_correction(trainer_logp, sampler_logp, loss_mask, n_loss_tokens, mo
 
 
 def effective_sample_size(sum_w, sum_w2, n) -> float:
-    """(11) (sum w)^2 / (n sum w^2) in (0, 1]: 1 for equal weights, 1/n when one dominates. A common
-    scale cancels: sums over micro-batches and ranks, or their means over steps, give the same."""
+    """(11) (sum w)^2 / (n sum w^2) in (0, 1]: 1 for equal weights, 1/n when one dominates (a common
+    scale cancels: sums over micro-batches and ranks, or their means over steps, give the same)."""
     if n <= 0:
         return 1.0          # no token kept: nothing to weigh
     if sum_w2 <= 0:

@@ -292,7 +292,8 @@ def policy_update(kept, advantages) -> dict:
     steps = []
     for part, part_old in zip(parts, old):
         steps.append(optimizer_step([kept[i] for i in part], [advantages[i] for i in part], part_old))
-    totals = torch.tensor([[s[m] for m in METRICS] for s in steps], device=device)            # (K, metrics)
+    totals = torch.tensor([[s[m] for m in METRICS] for s in steps], dtype=torch.float64)      # (K, metrics)
+    totals = totals.to(device)  # (float64: the ESS sums must add up to more than float32 can tell apart)
     worst = torch.tensor(max(s["logprob_mismatch_max"] for s in steps), device=device)
     dist.all_reduce(totals)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)

@@ -40,6 +40,8 @@ parser.add_argument("--n-sft", type=int, default=4000, help="SFT conversations (
 parser.add_argument("--digits", type=int, default=4, help="digits of each operand of a hard problem")
 parser.add_argument("--mix", type=float, nargs=3, default=[2, 1, 1], help="weights of a*b, a+b, a-b among hard problems")
 parser.add_argument("--easy-share", type=float, default=0.0, help="share of one-digit problems (see make_problem)")
+parser.add_argument("--words", type=float, default=0.0,
+                    help="share of problems phrased in words (a story or a sentence): the model must read them")
 parser.add_argument("--tool-share", type=float, default=0.5, help="share of SFT conversations that use the tool")
 parser.add_argument("--tool-share-easy", type=float, default=0.3, help="the same on easy problems")
 parser.add_argument("--error-share", type=float, default=0.25, help="share of SFT tool uses whose first call fails")
@@ -82,12 +84,30 @@ def make_problem():
             return expr, "hard"
 
 
+WORDS = {  # the same problems in words: reading them, not the arithmetic, is the model's part
+    "*": ["What is the product of {a} and {b}?", "Multiply {a} by {b}.",
+          "A crate holds {a} bottles. How many bottles are there in {b} crates?"],
+    "+": ["What is the sum of {a} and {b}?", "Add {a} to {b}.",
+          "A library has {a} books and buys {b} more. How many books does it have now?"],
+    "-": ["What is {a} minus {b}?", "Subtract {b} from {a}.",
+          "A tank holds {a} litres and {b} litres are drained. How many litres are left?"],
+}
+
+
+def question(expr):
+    """"What is a * b?", or with probability --words the same problem in words."""
+    if not (args.words and rng.random() < args.words):  # (no draw at all without --words)
+        return f"What is {expr}?"
+    a, op, b = expr.split()
+    return rng.choice(WORDS[op]).format(a=a, b=b)
+
+
 problems, seen = [], set()
 while len(problems) < args.n_test + args.n_train + args.n_sft:
     expr, level = make_problem()
     if expr not in seen:
         seen.add(expr)
-        problems.append({"question": f"What is {expr}?", "answer": str(value(expr)), "expr": expr, "level": level})
+        problems.append({"question": question(expr), "answer": str(value(expr)), "expr": expr, "level": level})
 test = problems[:args.n_test]
 train = problems[args.n_test:args.n_test + args.n_train]
 sft_problems = problems[args.n_test + args.n_train:]

@@ -112,6 +112,16 @@ def toy_engine(toy_sft_model):
 
 
 @pytest.fixture(scope="session")
+def blank_toy_engine(toy_sft_model):
+    """An engine on the toy model that started with random weights (vLLM's dummy load format), as
+    train.py's does until its first weight sync; small, and alive for the session like the others."""
+    from engine import make_engine
+    llm = make_engine(str(toy_sft_model), max_model_len=1024, kv_cache_tokens=8192, weights=False)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_model_dir):
     """One vLLM engine on SmolLM2 for the session, with 16K tokens of KV cache (0.7 GB)."""
     import torch

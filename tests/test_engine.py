@@ -84,19 +84,19 @@ def test_a_multiprocess_engine_is_refused_before_anything_loads(monkeypatch, tmp
 
 
 @pytest.mark.slow
-def test_an_engine_started_without_the_checkpoint_samples_like_one_that_read_it(toy_engine, toy_sft_model,
-                                                                              toy_world, sandbox):
+def test_an_engine_started_without_the_checkpoint_samples_like_one_that_read_it(toy_engine, blank_toy_engine,
+                                                                              toy_sft_model, toy_world, sandbox):
     """train.py's engine starts with random weights (vLLM's dummy load format) and gets the trainer's at
     a sync before the first rollout: its rollouts must be those of an engine that read the checkpoint."""
     import json
     import torch
     from transformers import AutoModelForCausalLM
-    from engine import full_weights, make_engine, sync_weights
+    from engine import full_weights, sync_weights
     from scheduler import rollout_lockstep
     tok = toy_engine.get_tokenizer()
     problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:4]]
     cfg = RolloutConfig(deterministic=True, max_response=256, seed=11)
-    blank = make_engine(str(toy_sft_model), max_model_len=1024, kv_cache_tokens=8192, weights=False)
+    blank = blank_toy_engine
     before, _ = rollout_lockstep(blank.llm_engine, tok, sandbox, problems, 2, cfg)
     model = AutoModelForCausalLM.from_pretrained(toy_sft_model, dtype=torch.float32)
     sync_weights(blank, full_weights(model, torch.float32))

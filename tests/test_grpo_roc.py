@@ -7,7 +7,7 @@ import torch
 
 from grpo_roc import (DOWNSAMPLERS, PENALTY_EPS, downsample_uniform, drop_sandbox_failures,
                       effective_sample_size, filter_void_turns, format_penalty, group_advantages,
-                      mismatch_correction, policy_loss, resample_on_correct, tool_error_penalty)
+                      mismatch_correction, policy_loss, resample_on_correct, roc_weight, tool_error_penalty)
 from rollout import Trajectory
 
 
@@ -147,19 +147,20 @@ def test_every_downsampler_takes_the_registry_signature():
     assert set(DOWNSAMPLERS) == {"roc", "uniform"}
     group = group_of(3, 5)
     for name, sampler in DOWNSAMPLERS.items():
-        kept, stats = sampler(group, 4, random.Random(0), eps=PENALTY_EPS, setting_of_another_arm=1)
+        kept, stats = sampler(group, 4, random.Random(0), positive_weight=None, setting_of_another_arm=1)
         assert len(kept) == 4, f"{name} did not keep G with extra settings"
         assert set(stats) == {"dropped_all_equal", "short_group", "n_pos", "n_neg"}, name
 
 
-def test_roc_eps_setting_reaches_the_weights():
+def test_a_variant_of_roc_is_one_setting_uniform_positives_for_example():
     flawless, sloppy = traj(1, calls=2), traj(1, calls=0, answers=0)   # p_total 0 and 1.5
     group = [flawless, sloppy, traj(0), traj(0)]
+    assert roc_weight(flawless) == 1 / PENALTY_EPS and roc_weight(sloppy) == 1 / (1.5 + PENALTY_EPS)
     n = 400
-    for eps, lo, hi in [(PENALTY_EPS, 0.99, 1.0), (1e6, 0.35, 0.65)]:
-        hits = sum(id(flawless) in ids(resample_on_correct(group, 2, random.Random(i), eps=eps)[0])
+    for weight, lo, hi in [(None, 0.99, 1.0), (lambda t: 1.0, 0.35, 0.65)]:
+        hits = sum(id(flawless) in ids(resample_on_correct(group, 2, random.Random(i), positive_weight=weight)[0])
                    for i in range(n))
-        assert lo <= hits / n <= hi, f"eps={eps}: flawless kept {hits / n:.2f}, eps not used"
+        assert lo <= hits / n <= hi, f"flawless kept {hits / n:.2f}: the positives' weight was not used"
 
 
 def test_seeded_rng_is_reproducible():

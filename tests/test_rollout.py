@@ -339,3 +339,23 @@ def test_the_engine_starts_on_a_small_numa_node_with_the_kv_cache_it_was_asked_f
     del small  # (not shut down: that would tear down the process group the shared engine lives in)
     with pytest.raises(RuntimeError, match="HINT: a KV cache of 400000 tokens .* ask for fewer"):
         make_engine(str(toy_sft_model), max_model_len=512, kv_cache_tokens=400_000)  # 1.5 GiB > 1.16 GiB free
+
+
+def test_the_collapse_alarm_fires_at_the_step_tool_use_halves_and_not_before():
+    from rollout import collapse_alarms
+    history = [{"tool_calls": 1.0, "turns": 2.0}, {"tool_calls": 1.2, "turns": 2.2}]   # means 1.1, 2.1
+    assert collapse_alarms([], {"tool_calls": 0.0, "turns": 0.0}) == [], "no history: nothing to compare"
+    assert collapse_alarms(history, {"tool_calls": 0.56, "turns": 1.06}) == [], "above half the mean"
+    alarms = collapse_alarms(history, {"tool_calls": 0.5, "turns": 2.0})
+    assert len(alarms) == 1 and alarms[0].startswith("tool_calls 0.50") and "1.10" in alarms[0]
+
+
+def test_metrics_leave_what_the_sandbox_failed_out_of_every_rate():
+    from rollout import trajectory_metrics
+    good = Trajectory(index=0, correct=True, reward=1.0, tool_calls=2, tool_failures={"error": 1},
+                      response_ids=[1] * 10, loss_mask=[1] * 10, num_turns=3)
+    failed = Trajectory(index=0, sandbox_failed=True, tool_calls=1, response_ids=[1] * 4, loss_mask=[1] * 4)
+    m = trajectory_metrics([good, failed])
+    assert (m["trajectories"], m["sandbox_failures"], m["accuracy"], m["tool_calls"]) == (2, 1, 1.0, 2.0)
+    assert (m["tool_error_ratio"], m["tool_error_ratio_pos"], m["response_length"]) == (0.5, 0.5, 10.0)
+    assert m["generated_tokens"] == 14, "what was generated was generated, failure or not"
