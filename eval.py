@@ -14,7 +14,7 @@
    A sample the sandbox failed (a worker died, a check did not finish) is not scored: it is counted
    in its own column and left out of every rate; pass@k then uses the problem's scored samples.
 3. Under torchrun every rank runs its own engine and pulls problems from a shared counter; the
-   trajectories are gathered, and rank 0 prints the table and writes table.json + samples.jsonl.
+   trajectories' numbers and text are gathered; rank 0 prints the table, writes table.json + samples.jsonl.
 4. --filter-solved K: the stage-3 difficulty filter. Sample K rollouts per training problem and
    keep the problems not solved K/K (original fields kept). Sampling then defaults to the stage-2
    training settings (temperature 1.0, 12K tokens, T = 10); explicit flags still win.
@@ -185,13 +185,13 @@ def evaluate(llm, tokenizer, sandbox, benchmarks: dict[str, list[dict]], cfg: Ro
         names += [(name, i) for i in range(len(probs))]
         problems += probs
     group = cpu_group() if distributed else None  # ranks that finish early wait on gloo, not NCCL
-    problem_queue = ProblemQueue(f"eval/{next(_batches)}", distributed=distributed, group=group)
+    problem_queue = ProblemQueue(f"eval/{next(_batches)}", distributed, group, with_text=True)
     trajs, _ = rollout_scheduled(llm.llm_engine, tokenizer, sandbox, problems, n, cfg, problem_queue)
     samples = [{"benchmark": names[t.index][0], "problem": names[t.index][1], "sample": t.sample,
                 "question": problems[t.index]["question"], "gold": t.gold, "answer": t.answer,
                 "correct": t.correct, "reward": t.reward, "sandbox_failed": t.sandbox_failed,
                 "finish_reason": t.finish_reason, "turns": t.num_turns, "tool_calls": t.tool_calls,
-                "tool_failures": dict(t.tool_failures), "response_tokens": len(t.response_ids),
+                "tool_failures": dict(t.tool_failures), "response_tokens": t.response_length,
                 "text": t.text} for t in trajs]
     rows = [benchmark_row(name, [t for t in trajs if names[t.index][0] == name], n) for name in benchmarks]
     return rows, samples, trajs

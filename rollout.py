@@ -11,17 +11,22 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from conversation import (IM_END, MAX_TOOL_RESPONSE_CHARS, encode, extract_answer, format_tool_response,
                           parse_tool_call, prompt_ids, tool_turn_pieces)
 from grading import grade
 from sandbox import SANDBOX_FAILURE
 
 # -----------------------------------------------------------------------------
-# The trajectory record (docs/design.md §1): everything downstream reads only this.
+# The trajectory record (docs/design.md §1): everything downstream reads only this. Its payload, the
+# tokens (lists while it grows, TOKENS arrays once scored: a ninth of the memory) and the text, is None
+# on a rank that holds only its numbers (ProblemQueue.gather), where `sizes` keeps the token counts.
 
 FAILURE_KINDS = ("error", "timeout", "oom", "parse")  # what counts as a failed tool call
 # sandbox_failure: the sandbox itself failed (not the model's code): the trajectory stops there
 FINISH_REASONS = ("answer", "no_tool_call", "length", "max_turns", "sandbox_failure")
+TOKENS = {"prompt_ids": np.int32, "response_ids": np.int32, "loss_mask": np.bool_, "logprobs": np.float32}
 
 
 @dataclass
@@ -44,11 +49,24 @@ class Trajectory:
     sandbox_failed: bool = False    # the sandbox failed it (a worker died, a check did not finish):
     #                                 not the model's doing, so it is left out of the update
     finish_reason: str = ""         # one of FINISH_REASONS, set when the trajectory ends
-    text: str = ""                  # the decoded response, for logs only
+    text: str | None = ""           # the decoded response, for logs only
+    sizes: tuple[int, int, int] = ()  # (prompt, response, loss) tokens, where the tokens are None
 
     @property
     def num_tool_failures(self) -> int:
         return sum(self.tool_failures.values())
+
+    @property
+    def prompt_length(self) -> int:
+        return self.sizes[0] if self.prompt_ids is None else len(self.prompt_ids)
+
+    @property
+    def response_length(self) -> int:
+        return self.sizes[1] if self.response_ids is None else len(self.response_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:  # the tokens the policy sampled: those the loss counts
+        return self.sizes[2] if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
 
 
 # -----------------------------------------------------------------------------
@@ -253,12 +271,14 @@ def reward(traj: Trajectory) -> float:
 
 def score(trajs: list[Trajectory], sandbox) -> None:
     """Grade the finished trajectories (`correct`; a check the sandbox could not finish marks the
-    trajectory sandbox_failed instead), then compute each one's reward."""
+    trajectory sandbox_failed instead), then compute each one's reward. Their tokens become arrays."""
     verdicts = grade([t.answer for t in trajs], [t.gold for t in trajs], sandbox)
     for t, verdict in zip(trajs, verdicts):
         t.sandbox_failed = t.sandbox_failed or verdict is None
         t.correct = bool(verdict)
         t.reward = reward(t)
+        for name, dtype in TOKENS.items():
+            setattr(t, name, np.asarray(getattr(t, name), dtype))
 
 
 def trajectory_metrics(trajs: list[Trajectory]) -> dict:
@@ -268,7 +288,7 @@ def trajectory_metrics(trajs: list[Trajectory]) -> dict:
     n = max(len(graded), 1)
     calls = sum(t.tool_calls for t in graded)
     correct_tool_users = [t for t in graded if t.correct and t.tool_calls]
-    lengths = [len(t.response_ids) for t in graded]
+    lengths = [t.response_length for t in graded]
     return {
         "trajectories": len(trajs),
         "sandbox_failures": len(trajs) - len(graded),
@@ -276,7 +296,7 @@ def trajectory_metrics(trajs: list[Trajectory]) -> dict:
         "reward": sum(t.reward for t in graded) / n,
         "response_length": sum(lengths) / n,
         "response_length_max": max(lengths, default=0),
-        "generated_tokens": sum(sum(t.loss_mask) for t in trajs),
+        "generated_tokens": sum(t.num_loss_tokens for t in trajs),
         "truncated": sum(t.finish_reason == "length" for t in graded) / n,
         "turns": sum(t.num_turns for t in graded) / n,
         "void_turn_rate": sum(t.void_turns > 0 for t in graded) / n,  # trajectories with a void turn

@@ -9,7 +9,7 @@
 One RL step, as the step loop at the bottom of this file runs it (what comes before sets it up):
 1. Take the next problems (a seeded shuffle per epoch; the position is saved in checkpoints).
 2. Roll out 2G samples per problem with the colocated vLLM engine and the sandbox, through the
-   load-balanced scheduler (every rank ends up with the whole batch); grade them, reward them.
+   load-balanced scheduler; grade them, reward them. Every rank gets every rollout's numbers.
 3. GRPO-RoC (grpo_roc.py): leave out what the sandbox failed, drop all-equal groups, down-sample
    each group to G, advantages.
 4. The policy update: --mini-batches optimizer steps (one, as in the paper), each dealt across
@@ -21,6 +21,7 @@ the data stream, which goes on where the earlier stage stopped when it reads the
 starts afresh on a new file (stage 3).
 """
 import argparse
+import itertools
 import json
 import os
 import random
@@ -224,10 +225,27 @@ METRICS = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl",
            "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n"]
 
 
-def micro_batches(kept):
-    """This rank's micro-batches of `kept`, as lists of indices (empty ones keep FSDP in step)."""
-    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in kept]
-    return plan_micro_batches(lengths, args.micro_batch_tokens, world_size)[rank]
+def mini_batches(n: int) -> list[range]:
+    """--mini-batches contiguous parts of n kept trajectories, one optimizer step each (whole groups
+    stay together when G divides a part)."""
+    k = min(args.mini_batches, max(n, 1))
+    return [range(j * n // k, (j + 1) * n // k) for j in range(k)]
+
+
+def micro_batches(kept) -> list[list[list[int]]]:
+    """Every rank's micro-batches of `kept`, as lists of indices (empty ones keep FSDP in step)."""
+    lengths = [t.prompt_length + t.response_length for t in kept]
+    return plan_micro_batches(lengths, args.micro_batch_tokens, world_size)
+
+
+def trainer_ranks(kept) -> list[int]:
+    """The rank that trains each of `kept`: the one whose micro-batches of its mini-batch hold it."""
+    trainers = [0] * len(kept)
+    for part in mini_batches(len(kept)):
+        for who, batches in enumerate(micro_batches([kept[i] for i in part])):
+            for i in itertools.chain(*batches):
+                trainers[part[i]] = who
+    return trainers
 
 
 @torch.no_grad()
@@ -235,7 +253,7 @@ def old_logprobs(kept) -> list[torch.Tensor | None]:
     """The current policy's log-probs of this rank's trajectories of `kept` (the same micro-batches
     optimizer_step will run), per trajectory; None for the other ranks' trajectories."""
     out = [None] * len(kept)
-    for micro_batch in micro_batches(kept):
+    for micro_batch in micro_batches(kept)[rank]:
         if not micro_batch:
             empty_pass(model, pad_id, device)  # (a forward only, under no_grad)
             continue
@@ -248,9 +266,9 @@ def old_logprobs(kept) -> list[torch.Tensor | None]:
 
 def optimizer_step(kept, advantages, old) -> dict:
     """One optimizer step on `kept`; this rank's metric sums (each already / n_loss_tokens)."""
-    n_loss_tokens = max(1, sum(sum(t.loss_mask) for t in kept))  # the global denominator of the loss
+    n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))  # the global denominator of the loss
     sums, mismatch_max = dict.fromkeys(METRICS, 0.0), 0.0
-    for micro_batch in micro_batches(kept):
+    for micro_batch in micro_batches(kept)[rank]:
         if not micro_batch:  # FSDP's collectives need every rank in every pass
             empty_pass(model, pad_id, device)
             continue
@@ -285,9 +303,8 @@ def optimizer_step(kept, advantages, old) -> dict:
 def policy_update(kept, advantages) -> dict:
     """(4) --mini-batches optimizer steps on the kept trajectories. Returns the metrics, summed over
     ranks and averaged over the steps (the mismatch's maximum: the largest)."""
-    k = min(args.mini_batches, max(len(kept), 1))
-    # contiguous parts of the kept batch (whole groups stay together when G divides the part)
-    parts = [range(j * len(kept) // k, (j + 1) * len(kept) // k) for j in range(k)]
+    parts = mini_batches(len(kept))
+    k = len(parts)
     old = [old_logprobs([kept[i] for i in part]) if k > 1 else None for part in parts]  # all before the first
     steps = []
     for part, part_old in zip(parts, old):
@@ -314,7 +331,7 @@ for step in range(start_step, args.steps):
     row = {"step": step + 1}
     step_seed = args.seed * 1_000_003 + stream_start + step
 
-    # ---- 1-2. rollouts: 2G per problem, every rank gets the whole batch, graded and rewarded ----
+    # ---- 1-2. rollouts: 2G per problem, graded and rewarded; every rank gets all their numbers ----
     batch = stream.take(position, args.problems_per_step)
     position += args.problems_per_step
     cfg = rollout_config(args, seed=step_seed, kv_budget=kv_budget, eos_ids=eos_ids)
@@ -343,6 +360,7 @@ for step in range(start_step, args.steps):
         counts["dropped_groups"] += group_stats["dropped_all_equal"]
         kept += group
         advantages += group_advantages([t.reward for t in group]).tolist() if group else []
+    kept = problem_queue.exchange(kept, trainer_ranks(kept))  # the tokens each rank trains, from their ranks
 
     # ---- 4. the policy update (its tensors are freed when it returns, before the sync) ----
     t0 = time.perf_counter()
@@ -378,7 +396,8 @@ for step in range(start_step, args.steps):
         if wandb_run:
             wandb_run.log(dict(row, collapse_alarm=len(alarms)), step=step + 1)
         if args.sample_every and (step + 1) % args.sample_every == 0:
-            for t in trajs[:: max(1, len(trajs) // 3)][:3]:
+            own = [t for t in trajs if t.text is not None]  # (this rank's rollouts)
+            for t in own[:: max(1, len(own) // 3)][:3]:
                 samples_file.write(f"===== step {step + 1} problem {t.index} sample {t.sample} "
                                    f"reward {t.reward} ({t.finish_reason}) =====\n{t.text}\n")
 

@@ -23,6 +23,7 @@ import re
 import shutil
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -140,22 +141,21 @@ def plan_micro_batches(lengths: list[int], budget: int, world_size: int) -> list
     return [batches + [[] for _ in range(passes - len(batches))] for batches in plans]
 
 
-def right_pad(rows: list[list], value) -> torch.Tensor:
+def right_pad(rows: list, value, dtype=None) -> torch.Tensor:
     """Rows of different lengths as one tensor, right-padded with `value`: (B, longest row)."""
-    width = max(len(row) for row in rows)
-    return torch.tensor([list(row) + [value] * (width - len(row)) for row in rows])
+    return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=dtype) for r in rows], True, value)
 
 
 def trajectory_tensors(trajs, pad_id: int, device):
     """The trainer's view of trajectories: input_ids, attention_mask, loss_mask, sampler_logp. The log-prob
     at position k scores token k + 1: the loss mask (0 on the prompt and every tool turn) and the
     sampler's log-probs are shifted by one against the ids (response token r at len(prompt) - 1 + r)."""
-    ids = [list(t.prompt_ids) + list(t.response_ids) for t in trajs]
-    shift = [len(t.prompt_ids) - 1 for t in trajs]
-    input_ids = right_pad(ids, pad_id)                                                        # (B, T)
-    attention_mask = right_pad([[1] * len(x) for x in ids], 0)                                # (B, T)
-    loss_mask = right_pad([[0] * k + list(t.loss_mask) for k, t in zip(shift, trajs)], 0)     # (B, T-1)
-    sampler_logp = right_pad([[0.0] * k + list(t.logprobs) for k, t in zip(shift, trajs)], 0.0)  # (B, T-1)
+    ids = [np.concatenate([t.prompt_ids, t.response_ids]) for t in trajs]
+    pre = [(len(t.prompt_ids) - 1, 0) for t in trajs]  # (the zeros before a response's first token)
+    input_ids = right_pad(ids, pad_id, torch.long)                                            # (B, T)
+    attention_mask = right_pad([np.ones(len(x)) for x in ids], 0, torch.long)                 # (B, T)
+    loss_mask = right_pad([np.pad(t.loss_mask, k) for k, t in zip(pre, trajs)], 0, torch.long)     # (B, T-1)
+    sampler_logp = right_pad([np.pad(t.logprobs, k) for k, t in zip(pre, trajs)], 0.0, torch.float)  # (B, T-1)
     return tuple(x.to(device) for x in (input_ids, attention_mask, loss_mask, sampler_logp))
 
 

@@ -49,7 +49,7 @@ def conversations_with_a_fixed_call(toy_world: Path, count: int) -> list[list[di
 
 def tool_turns_between_sampled_turns(traj: Trajectory) -> int:
     """Runs of loss-mask-0 tokens (tool turns) with sampled tokens after them."""
-    return len(re.findall("0+(?=1)", "".join(map(str, traj.loss_mask))))
+    return len(re.findall("0+(?=1)", "".join("1" if m else "0" for m in traj.loss_mask)))
 
 
 # -----------------------------------------------------------------------------
@@ -138,7 +138,7 @@ def test_trainer_logprobs_equal_vllm_on_every_sampled_token_of_multi_turn_tool_t
     model = AutoModelForCausalLM.from_pretrained(smollm2_model_dir, dtype=torch.float32)
     worst = 0.0
     for t in multi[:4]:  # (each is a forward pass over ~1,300 tokens)
-        ids = torch.tensor([t.prompt_ids + t.response_ids])                               # (1, T)
+        ids = torch.tensor([t.prompt_ids.tolist() + t.response_ids.tolist()])             # (1, T)
         with torch.no_grad():
             logp = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)        # (1, T-1)
         trainer = logp[0, len(t.prompt_ids) - 1:]                                         # (R,)
@@ -155,10 +155,10 @@ def test_trajectory_ids_are_the_prompt_then_exactly_the_sampled_ids_and_the_enco
     for t in trajs:
         # Rebuilt from the engine's outputs and the tool outputs alone: each turn the engine sampled for
         # the ids so far, then the tool turn of the output shown after it.
-        ids, loss_mask, logprobs, turns = [], [], [], 0
+        ids, loss_mask, logprobs, turns, prompt = [], [], [], 0, t.prompt_ids.tolist()
         outputs = iter(shown[t.index])
-        while tuple(t.prompt_ids + ids) in engine.turns:
-            turn_ids, turn_logprobs = engine.turns[tuple(t.prompt_ids + ids)]
+        while tuple(prompt + ids) in engine.turns:
+            turn_ids, turn_logprobs = engine.turns[tuple(prompt + ids)]
             ids += turn_ids
             loss_mask += [1] * len(turn_ids)
             logprobs += turn_logprobs
@@ -170,10 +170,11 @@ def test_trajectory_ids_are_the_prompt_then_exactly_the_sampled_ids_and_the_enco
                 loss_mask += [0] * len(tool_ids)
                 logprobs += [0.0] * len(tool_ids)
         where = f"trajectory {t.index} ({t.num_turns} turns, {t.finish_reason})"
-        assert t.prompt_ids + t.response_ids == t.prompt_ids + ids, \
+        assert t.response_ids.tolist() == ids, \
             f"{where}: the trainer's ids are not the prompt + the sampled ids + the encoded tool turns"
-        assert t.loss_mask == loss_mask, f"{where}: loss mask is not 1 on sampled tokens and 0 on tool tokens"
-        assert t.logprobs == logprobs, f"{where}: log-probs are not the sampler's, and 0.0 on tool tokens"
+        assert t.loss_mask.tolist() == loss_mask, \
+            f"{where}: loss mask is not 1 on sampled tokens and 0 on tool tokens"
+        assert t.logprobs.tolist() == logprobs, f"{where}: log-probs are not the sampler's, and 0.0 on tool tokens"
         assert turns == t.num_turns, f"{where}: {turns} engine turns rebuilt, {t.num_turns} counted"
         assert t.finish_reason in FINISH_REASONS
     assert sum(tool_turns_between_sampled_turns(t) for t in trajs) >= 3, "too few tool turns to check"

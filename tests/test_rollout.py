@@ -184,20 +184,20 @@ def test_rollouts_are_multi_turn_and_ids_are_exactly_what_was_sampled(lockstep_b
     for t in trajs:
         # Walk the trajectory turn by turn: each sampled segment must be exactly what vLLM
         # returned for the prefix before it, and each tool segment the rendered tool turn.
-        pos = 0
-        while pos < len(t.response_ids):
-            prefix = tuple(t.prompt_ids + t.response_ids[:pos])
-            s = next((s for s in sampled_by_prompt[prefix] if t.response_ids[pos:pos + len(s)] == s), None)
+        response, mask, pos = t.response_ids.tolist(), t.loss_mask.tolist(), 0
+        while pos < len(response):
+            prefix = tuple(t.prompt_ids.tolist() + response[:pos])
+            s = next((s for s in sampled_by_prompt[prefix] if response[pos:pos + len(s)] == s), None)
             assert s is not None, f"trajectory {t.index}/{t.sample}: tokens at {pos} are not what vLLM sampled"
-            assert t.loss_mask[pos:pos + len(s)] == [1] * len(s), "sampled tokens must have loss mask 1"
+            assert mask[pos:pos + len(s)] == [1] * len(s), "sampled tokens must have loss mask 1"
             pos += len(s)
             end = pos
-            while end < len(t.response_ids) and t.loss_mask[end] == 0:
+            while end < len(response) and mask[end] == 0:
                 end += 1
             if end > pos:
-                text = tok.decode(t.response_ids[pos:end])
+                text = tok.decode(response[pos:end])
                 assert text.startswith("\n<|im_start|>user\n<tool_response>\n")
-                assert t.response_ids[pos:end] == tok.encode(text, add_special_tokens=False)
+                assert response[pos:end] == tok.encode(text, add_special_tokens=False)
             pos = end
         assert len(t.response_ids) == len(t.loss_mask) == len(t.logprobs)
     assert stats["generated_tokens"] == sum(sum(t.loss_mask) for t in trajs)
@@ -215,7 +215,7 @@ def test_trainer_logprobs_match_sampler_logprobs(lockstep_batch, toy_sft_model):
 
 def hf_logprobs(model, traj, temperature=1.0):
     import torch
-    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    ids = torch.tensor([traj.prompt_ids.tolist() + traj.response_ids.tolist()])
     with torch.no_grad():
         logits = model(ids).logits[0, :-1].float() / temperature
     lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
@@ -246,7 +246,7 @@ def test_at_temperature_0_7_sampler_and_trainer_score_the_distribution_that_drew
     assert worst < 1e-4, f"the sampler's log-probs are not log_softmax(logits / 0.7): off by {worst:.2e}"
     assert max_diff_hf_vs_sampler(model, trajs, temperature=1.0) > 1e-2, "the check must tell the temperatures apart"
     t = trajs[0]
-    ids = torch.tensor([t.prompt_ids + t.response_ids])
+    ids = torch.tensor([t.prompt_ids.tolist() + t.response_ids.tolist()])
     with torch.no_grad():
         trainer = token_logprobs(model, ids, torch.ones_like(ids), temperature=0.7)[0, len(t.prompt_ids) - 1:]
     assert torch.allclose(trainer, hf_logprobs(model, t, 0.7), atol=1e-5), "the trainer must divide by 0.7 too"
@@ -275,7 +275,7 @@ def test_weight_sync_reaches_the_engine_prefix_cache_included(toy_engine, toy_sf
     finally:
         sync_weights(toy_engine, iter(original.items()))
     restored, _ = rollout_lockstep(engine, tok, sandbox, problems[:4], 1, cfg)
-    assert [t.response_ids for t in restored] == [t.response_ids for t in before], \
+    assert [t.response_ids.tolist() for t in restored] == [t.response_ids.tolist() for t in before], \
         "syncing the original weights back must restore the original samples"
 
 

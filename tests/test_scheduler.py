@@ -80,6 +80,25 @@ def test_admission_never_exceeds_the_kv_budget_and_refills(tok, sandbox):
     assert stats["peak_admitted"] == engine.peak < 24, "the budget must hold some back until others finish"
 
 
+def test_a_rollout_returns_its_tokens_as_arrays(tok, sandbox):
+    """16,384 trajectories of 8K tokens as Python lists take ~11 GB a rank: a rollout's tokens are
+    numpy arrays (a sixth of that), the same ids, mask and log-probs the turns appended."""
+    import numpy as np
+    problems = [{"question": f"What is {i}?", "answer": str(i)} for i in range(3)]
+    cfg = RolloutConfig(max_response=200, kv_budget=10**6)
+    for driver in (rollout_lockstep, rollout_scheduled):
+        trajs, stats = driver(StepEngine(tok, scripted_turn), tok, sandbox, problems, 2, cfg)
+        for t in trajs:
+            dtypes = [(type(x), x.dtype) for x in (t.prompt_ids, t.response_ids, t.loss_mask, t.logprobs)]
+            assert dtypes == [(np.ndarray, np.int32), (np.ndarray, np.int32), (np.ndarray, np.bool_),
+                              (np.ndarray, np.float32)], f"{driver.__name__}: tokens held as {dtypes}"
+            sampled = t.loss_mask.nonzero()[0]
+            assert np.all(t.logprobs[sampled] == np.float32(-0.1)) and not t.logprobs[~t.loss_mask].any()
+            assert tok.decode(t.response_ids.tolist()) == t.text
+        assert [t.num_loss_tokens for t in trajs] == [int(t.loss_mask.sum()) for t in trajs]
+        assert stats["generated_tokens"] == sum(t.num_loss_tokens for t in trajs) > 0
+
+
 def test_admission_counts_what_a_trajectory_holds_plus_one_mean_turn(tok, sandbox):
     """One-turn trajectories of A tokens, prompts of P: before a turn has ended each counts
     P + max_response / max_turns, afterwards P + A (the mean turn), so the budget takes its
@@ -122,8 +141,8 @@ def test_lockstep_runs_its_rank_share_and_the_scheduler_the_same_turns(tok, sand
     cfg = RolloutConfig(deterministic=True, max_response=200, kv_budget=10**6)
     lock, _ = rollout_lockstep(StepEngine(tok, scripted_turn), tok, sandbox, problems, 2, cfg)
     sched, _ = rollout_scheduled(StepEngine(tok, scripted_turn), tok, sandbox, problems, 2, cfg)
-    assert [(t.index, t.sample, t.response_ids, t.reward) for t in lock] == \
-           [(t.index, t.sample, t.response_ids, t.reward) for t in sched]
+    assert [(t.index, t.sample, t.response_ids.tolist(), t.reward) for t in lock] == \
+           [(t.index, t.sample, t.response_ids.tolist(), t.reward) for t in sched]
     shares = [ProblemQueue() for _ in range(3)]
     for r, q in enumerate(shares):
         q.rank, q.world_size = r, 3
@@ -161,13 +180,13 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
         sched, stats = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg)
         assert [(t.index, t.sample) for t in sched] == [(t.index, t.sample) for t in lock]
         for a, b in zip(lock, sched):
-            if a.response_ids != b.response_ids:
-                i = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y),
-                         min(len(a.response_ids), len(b.response_ids)))
+            a_ids, b_ids = a.response_ids.tolist(), b.response_ids.tolist()
+            if a_ids != b_ids:
+                i = next((i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y), min(len(a_ids), len(b_ids)))
                 pytest.fail(f"problem {a.index} sample {a.sample} diverges at response token {i} "
-                            f"(kv budget {kv_tokens}): lockstep {a.response_ids[i:i + 3]} logprobs "
-                            f"{a.logprobs[i:i + 3]}, scheduler {b.response_ids[i:i + 3]} {b.logprobs[i:i + 3]}")
-            assert a.loss_mask == b.loss_mask
+                            f"(kv budget {kv_tokens}): lockstep {a_ids[i:i + 3]} logprobs "
+                            f"{a.logprobs[i:i + 3]}, scheduler {b_ids[i:i + 3]} {b.logprobs[i:i + 3]}")
+            assert a.loss_mask.tolist() == b.loss_mask.tolist()
             assert (a.num_turns, a.tool_calls, a.tool_failures, a.num_answers, a.answer, a.reward, a.finish_reason, a.text) == \
                    (b.num_turns, b.tool_calls, b.tool_failures, b.num_answers, b.answer, b.reward, b.finish_reason, b.text)
             assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4, \
@@ -201,6 +220,8 @@ def test_two_ranks_share_one_queue_and_the_fast_rank_pulls_more(toy_world, tmp_p
         f"each problem must be pulled by exactly one rank; rank 0 took {fast}, rank 1 {slow}"
     assert len(fast) > len(slow), f"the rank with fast tools must pull more problems: {fast} vs {slow}"
     assert all(x[2] == 2 and x[3] == 1 for x in ranks[0]["batch"]), "two turns and one tool call each"
+    assert all(r["held"] == r["handled"] for r in ranks), \
+        "a rank must hold the tokens and text of its own rollouts, and only their numbers of the others'"
 
 
 def _rank_main(model: str, out: str):
@@ -225,10 +246,11 @@ def _rank_main(model: str, out: str):
     with Sandbox(workers=1, timeout=10.0) as sandbox:
         dist.barrier()                                     # start pulling together
         trajs, _ = rollout_scheduled(engine, tok, sandbox, problems, 2, cfg, ProblemQueue("two-ranks", True))
-    batch = [(t.index, t.sample, t.num_turns, t.tool_calls, t.response_ids) for t in trajs]
+    batch = [(t.index, t.sample, t.num_turns, t.tool_calls, t.response_length) for t in trajs]
     handled = sorted({int(rid) for rid in engine.finished})
+    held = sorted({t.index for t in trajs if t.response_ids is not None and t.text is not None})
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"batch": batch, "handled": handled}, f)
+        json.dump({"batch": batch, "handled": handled, "held": held}, f)
     dist.destroy_process_group()
 
 
