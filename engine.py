@@ -120,6 +120,9 @@ def full_weights(model, dtype):
 def sync_weights(llm, named_tensors) -> None:
     """Load the trainer's weights in place from an iterator of (HF name, tensor) (`reload_weights`).
     A sleeping engine wakes its weights only: the KV cache stays freed until wake_for_rollout."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the trainer's cached blocks back to the device, for the engine's weights
     if "weights" in _sleeping(llm):
         llm.wake_up(tags=["weights"])
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})

@@ -31,7 +31,8 @@ from conversation import prompt_ids
 from engine import add_engine_flags, make_engine, model_eos_ids
 from rollout import (RolloutConfig, add_rollout_flags, drop_long_prompts, read_problems, rollout_config,
                      trajectory_metrics)
-from scheduler import ProblemQueue, rollout_scheduled
+from batch import ProblemQueue
+from scheduler import rollout_scheduled
 from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
 
 # -----------------------------------------------------------------------------

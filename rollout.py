@@ -1,12 +1,10 @@
 """Multi-turn tool rollouts: the trajectory record, the problems, and the agent loop.
 
-The agent loop is a per-trajectory state machine that a driver steps (scheduler.py has two: the
-turn-synchronous baseline and the load-balanced scheduler); conversation.py renders its turns.
-Problems are {"question", "answer"} JSONL lines, checked when read.
-Trajectories are built from token ids, never by re-tokenizing text: the trainer scores exactly the
-sampled ids.
+The agent loop is a per-trajectory state machine that a driver steps (scheduler.py has two);
+conversation.py renders its turns. Problems are {"question", "answer"} JSONL lines, checked when
+read. Trajectories are built from token ids, never by re-tokenizing text: the trainer scores
+exactly the sampled ids.
 """
-import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -157,25 +155,6 @@ def drop_long_prompts(problems: list[dict], tokenizer, max_prompt: int) -> tuple
     a request longer than its context: one such problem would stop its rank in the middle of a step.)"""
     kept = [p for p in problems if len(prompt_ids(tokenizer, p["question"])) <= max_prompt]
     return kept, len(problems) - len(kept)
-
-
-class ProblemStream:
-    """An endless stream of problems, epoch after epoch, each epoch a shuffle seeded by the seed and
-    the epoch: the problems at a position are the same whoever asks and however the stream is cut."""
-
-    def __init__(self, problems: list[dict], seed: int):
-        self.problems, self.seed = problems, seed
-
-    @functools.lru_cache(maxsize=2)  # (one shuffle per epoch, not one per problem taken)
-    def order(self, epoch: int) -> list[int]:
-        import torch
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.problems), generator=generator).tolist()
-
-    def take(self, position: int, count: int) -> list[dict]:
-        """The problems at positions position .. position + count - 1."""
-        picks = [divmod(p, len(self.problems)) for p in range(position, position + count)]  # (epoch, i)
-        return [self.problems[self.order(epoch)[i]] for epoch, i in picks]
 
 
 def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0) -> list[Trajectory]:

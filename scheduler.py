@@ -24,101 +24,22 @@ all three:
    appended and the next turn is queued. With nothing to step the loop blocks on the results
    queue: it never spins.
 3. Dynamic balance across ranks. Under torchrun each rank drives its own engine and pulls the next
-   problem from one shared counter (ProblemQueue) whenever it has room, so a rank slowed by long
-   trajectories or slow tools simply takes fewer problems.
+   problem from one shared counter (batch.ProblemQueue) whenever it has room, so a rank slowed by
+   long trajectories or slow tools simply takes fewer problems.
 
-Same turn logic, same per-turn seeds: the same inputs give the same trajectories, up to vLLM's
-numerics changing with batch composition (see tests). bench/scheduler_speed.py measures the difference.
+Same turn logic; with per-turn seeds (RolloutConfig.deterministic) the same inputs give the same
+trajectories, up to vLLM's numerics changing with batch composition (see tests).
+bench/scheduler_speed.py measures the difference.
 """
-import dataclasses
-import itertools
-import pickle
 import queue
 import statistics
 import time
 from collections import deque
 
-import numpy as np
-
+from batch import ProblemQueue
 from engine import kv_block_tokens, kv_capacity_tokens, turn_tokens
-from rollout import (TOKENS, RolloutConfig, add_tool_turn, end_turn, sampling_params, score,
-                     start_trajectories, trajectory_metrics)
-
-
-class ProblemQueue:
-    """A batch's problems across ranks: pulled one index at a time (`next`, the scheduler) or as a
-    fixed contiguous share (`share`, lockstep); `gather` gives every rank every trajectory's numbers,
-    `exchange` each rank the tokens of those it trains (bench/gather_memory.py measures the saving).
-    One rank: a local counter. Under torchrun (distributed=True): an atomic counter in
-    torch.distributed's key-value store, which every rank already shares; `key` must be new for
-    every batch. Ranks that finish early wait in `gather`, on `group`: pass a gloo group on GPUs
-    (training.cpu_group()), so that the wait is not inside an NCCL collective."""
-
-    def __init__(self, key: str = "", distributed: bool = False, group=None, with_text: bool = False):
-        self.rank, self.world_size, self.store, self.group = 0, 1, None, group
-        if distributed:
-            import torch.distributed as dist
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            # (torch 2.13 keeps the default group's store private; no new port is needed for it)
-            self.store = dist.distributed_c10d._get_default_store()
-        self.key, self.local = f"rollout-queue/{key}", itertools.count()
-        self.with_text = with_text  # gather the others' text too (eval.py writes every sample's)
-
-    def next(self) -> int:
-        return next(self.local) if self.store is None else self.store.add(self.key, 1) - 1
-
-    def share(self, n: int) -> range:
-        """This rank's contiguous share of n problems."""
-        size = -(-n // self.world_size)
-        return range(min(n, self.rank * size), min(n, (self.rank + 1) * size))
-
-    def gather(self, trajs: list) -> list:
-        """Every rank's trajectories in rank order: this rank's whole, the others' without_payload."""
-        if self.world_size == 1:
-            return list(trajs)
-        import torch.distributed as dist
-        parts = [None] * self.world_size
-        dist.all_gather_object(parts, [without_payload(t, self.with_text) for t in trajs], group=self.group)
-        parts[self.rank] = trajs
-        return [t for part in parts for t in part]
-
-    def exchange(self, trajs: list, trainers: list[int]) -> list:
-        """The gathered `trajs`, each with its tokens on the rank that trains it, trainers[i] (the same
-        list on every rank), and only its numbers elsewhere. A rank holds the tokens of its own
-        rollouts: it pickles those another rank trains (numpy arrays pickle as their raw bytes) and
-        one all-to-all on `group` delivers them, after one of their sizes."""
-        outgoing, out = [[] for _ in range(self.world_size)], []
-        for t, trainer in zip(trajs, trainers):
-            if trainer != self.rank and t.response_ids is not None:
-                outgoing[trainer].append(((t.index, t.sample), [getattr(t, name) for name in TOKENS]))
-                t = without_payload(t)
-            out.append(t)
-        if self.world_size > 1:
-            import torch
-            import torch.distributed as dist
-            blobs = [np.frombuffer(pickle.dumps(items), np.uint8) for items in outgoing]
-            sizes = torch.tensor([len(blob) for blob in blobs])                         # (world,) bytes out
-            incoming = torch.empty_like(sizes)                                          # (world,) bytes in
-            dist.all_to_all_single(incoming, sizes, group=self.group)
-            received = torch.empty(int(incoming.sum()), dtype=torch.uint8)
-            dist.all_to_all_single(received, torch.from_numpy(np.concatenate(blobs)), incoming.tolist(),
-                                   sizes.tolist(), group=self.group)
-            where = {(t.index, t.sample): i for i, t in enumerate(out)}
-            for part in np.split(received.numpy(), np.cumsum(incoming.tolist())[:-1]):
-                for key, arrays in pickle.loads(part):
-                    out[where[key]] = dataclasses.replace(out[where[key]], **dict(zip(TOKENS, arrays)))
-        if any(r == self.rank and t.response_ids is None for t, r in zip(out, trainers)):
-            raise RuntimeError(f"rank {self.rank} lacks the tokens of a trajectory it trains\n---> HINT: exchange "
-                               f"what gather returned, with the same trainers on every rank")
-        return out
-
-
-def without_payload(t, with_text: bool = False):
-    """A copy of `t` without its tokens (and its text unless with_text), their counts in `sizes`:
-    the few hundred bytes of it that other ranks need."""
-    return dataclasses.replace(t, prompt_ids=None, response_ids=None, loss_mask=None, logprobs=None,
-                               text=t.text if with_text else None,
-                               sizes=(t.prompt_length, t.response_length, t.num_loss_tokens))
+from rollout import (RolloutConfig, add_tool_turn, end_turn, sampling_params, score, start_trajectories,
+                     trajectory_metrics)
 
 
 def request_id(traj) -> str:

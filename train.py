@@ -16,12 +16,10 @@ One RL step, as the step loop at the bottom of this file runs it (what comes bef
    ranks by token count and packed into micro-batches; the token-level clipped loss divided by the
    global token count, so any split gives the gradient of one big batch; AdamW.
 5. Sync the new weights into the engine.
-Stages hand over through --init-from: the model, the optimizer (not in stage 3) and the position in
-the data stream, which goes on where the earlier stage stopped when it reads the same file, and
-starts afresh on a new file (stage 3).
+Stages hand over through --init-from: the model, the optimizer (not in stage 3) and the data
+stream's position (the same file goes on where the earlier stage stopped; a new one starts afresh).
 """
 import argparse
-import itertools
 import json
 import os
 import random
@@ -33,14 +31,14 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import memory_plan
+from batch import ProblemQueue, ProblemStream
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, trainer_offloaded, wake_for_rollout)
 from grpo_roc import (DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, effective_sample_size,
                       filter_void_turns, group_advantages, mismatch_correction, policy_loss)
-from rollout import (ProblemStream, add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems,
-                     rollout_config)
+from rollout import add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config
 from sandbox import Sandbox
-from scheduler import ProblemQueue, rollout_lockstep, rollout_scheduled
+from scheduler import rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, complete_checkpoints, cpu_group, empty_pass,
                       find_checkpoint, init_distributed, load_checkpoint, load_sharded_model,
                       plan_micro_batches, rewind_logs, right_pad, save_checkpoint, save_hf_checkpoint,
@@ -188,7 +186,7 @@ if args.resume and complete_checkpoints(ckpt_root):
     start_step, position, stream_start = meta["step"], meta["position"], meta["stream_start"]
     if master:
         rewind_logs(args.out_dir, start_step)  # the steps after the checkpoint are lost: log them anew
-    log(f"resumed from step {start_step}, data position {position}")
+    log(f"resumed from {ckpt_root}/step_{start_step}: step {start_step}, data position {position}")
 elif args.init_from:
     source = find_checkpoint(args.init_from)
     meta = load_checkpoint(model, optimizer, source, with_optimizer=not args.reset_optimizer)
@@ -225,27 +223,10 @@ METRICS = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl",
            "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n"]
 
 
-def mini_batches(n: int) -> list[range]:
-    """--mini-batches contiguous parts of n kept trajectories, one optimizer step each (whole groups
-    stay together when G divides a part)."""
-    k = min(args.mini_batches, max(n, 1))
-    return [range(j * n // k, (j + 1) * n // k) for j in range(k)]
-
-
 def micro_batches(kept) -> list[list[list[int]]]:
     """Every rank's micro-batches of `kept`, as lists of indices (empty ones keep FSDP in step)."""
     lengths = [t.prompt_length + t.response_length for t in kept]
     return plan_micro_batches(lengths, args.micro_batch_tokens, world_size)
-
-
-def trainer_ranks(kept) -> list[int]:
-    """The rank that trains each of `kept`: the one whose micro-batches of its mini-batch hold it."""
-    trainers = [0] * len(kept)
-    for part in mini_batches(len(kept)):
-        for who, batches in enumerate(micro_batches([kept[i] for i in part])):
-            for i in itertools.chain(*batches):
-                trainers[part[i]] = who
-    return trainers
 
 
 @torch.no_grad()
@@ -281,14 +262,13 @@ def optimizer_step(kept, advantages, old) -> dict:
         else:
             old_logp = right_pad([old[i].tolist() for i in micro_batch], 0.0).to(device)       # (B, T-1)
         # the sampler drew these tokens, not the trainer: an optional correction (grpo_roc.py)
-        mode, threshold = args.mismatch_correction, args.mismatch_threshold
-        weights, kept_mask, correction = mismatch_correction(old_logp, sampler_logp, loss_mask, n_loss_tokens,
-                                                             mode, threshold)
+        weights, kept_mask, stats = mismatch_correction(old_logp, sampler_logp, loss_mask, n_loss_tokens,
+                                                        args.mismatch_correction, args.mismatch_threshold)
         loss, metrics = policy_loss(logp, old_logp, adv, kept_mask, n_loss_tokens, args.eps_low,
                                     args.eps_high, token_weights=weights)
         (loss * world_size).backward()  # FSDP averages gradients over ranks: undo it
         mismatch = (logp.detach() - sampler_logp).abs() * loss_mask                            # (B, T-1)
-        metrics.update(correction, loss=loss.item(), logprob_mismatch=mismatch.sum().item() / n_loss_tokens)
+        metrics.update(stats, loss=loss.item(), logprob_mismatch=mismatch.sum().item() / n_loss_tokens)
         for k in METRICS:
             sums[k] += metrics[k]
         mismatch_max = max(mismatch_max, mismatch.max().item())
@@ -300,15 +280,20 @@ def optimizer_step(kept, advantages, old) -> dict:
     return dict(sums, logprob_mismatch_max=mismatch_max, grad_norm=grad_norm.item())
 
 
-def policy_update(kept, advantages) -> dict:
-    """(4) --mini-batches optimizer steps on the kept trajectories. Returns the metrics, summed over
-    ranks and averaged over the steps (the mismatch's maximum: the largest)."""
-    parts = mini_batches(len(kept))
-    k = len(parts)
-    old = [old_logprobs([kept[i] for i in part]) if k > 1 else None for part in parts]  # all before the first
+def policy_update(kept, advantages, problem_queue) -> dict:
+    """(4) --mini-batches optimizer steps on the kept trajectories, contiguous parts of them (whole
+    groups stay together when G divides a part). Each rank first receives the tokens of the ones it
+    trains. Returns the metrics, summed over ranks and averaged over the steps (mismatch: the max)."""
+    k = min(args.mini_batches, max(len(kept), 1))
+    parts = []
+    for j in range(k):  # every rank receives the tokens of what it trains, from the rank that rolled it out
+        part = range(j * len(kept) // k, (j + 1) * len(kept) // k)
+        rows = [kept[i] for i in part]
+        parts.append((problem_queue.exchange(rows, micro_batches(rows)), [advantages[i] for i in part]))
+    old = [old_logprobs(rows) if k > 1 else None for rows, _ in parts]  # all before the first step
     steps = []
-    for part, part_old in zip(parts, old):
-        steps.append(optimizer_step([kept[i] for i in part], [advantages[i] for i in part], part_old))
+    for (rows, part_advantages), part_old in zip(parts, old):
+        steps.append(optimizer_step(rows, part_advantages, part_old))
     totals = torch.tensor([[s[m] for m in METRICS] for s in steps], dtype=torch.float64)      # (K, metrics)
     totals = totals.to(device)  # (float64: the ESS sums must add up to more than float32 can tell apart)
     worst = torch.tensor(max(s["logprob_mismatch_max"] for s in steps), device=device)
@@ -321,7 +306,6 @@ def policy_update(kept, advantages) -> dict:
 
 # -----------------------------------------------------------------------------
 # The step loop.
-
 
 metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "a", buffering=1) if master else None
 samples_file = open(os.path.join(args.out_dir, "samples.txt"), "a", buffering=1) if master else None
@@ -360,20 +344,17 @@ for step in range(start_step, args.steps):
         counts["dropped_groups"] += group_stats["dropped_all_equal"]
         kept += group
         advantages += group_advantages([t.reward for t in group]).tolist() if group else []
-    kept = problem_queue.exchange(kept, trainer_ranks(kept))  # the tokens each rank trains, from their ranks
 
     # ---- 4. the policy update (its tensors are freed when it returns, before the sync) ----
     t0 = time.perf_counter()
     lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else args.lr
     for g in optimizer.param_groups:
         g["lr"] = lr
-    row.update(policy_update(kept, advantages), lr=lr)
+    row.update(policy_update(kept, advantages, problem_queue), lr=lr)
     row["train_seconds"] = time.perf_counter() - t0
 
     # ---- 5. weight sync: the engine samples the next step with the new weights ----
     t0 = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the allocator's cached training blocks, for the engine's weights
     sync_weights(llm, full_weights(model, sync_dtype))
     row["sync_seconds"] = time.perf_counter() - t0
 

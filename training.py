@@ -154,8 +154,8 @@ def trajectory_tensors(trajs, pad_id: int, device):
     pre = [(len(t.prompt_ids) - 1, 0) for t in trajs]  # (the zeros before a response's first token)
     input_ids = right_pad(ids, pad_id, torch.long)                                            # (B, T)
     attention_mask = right_pad([np.ones(len(x)) for x in ids], 0, torch.long)                 # (B, T)
-    loss_mask = right_pad([np.pad(t.loss_mask, k) for k, t in zip(pre, trajs)], 0, torch.long)     # (B, T-1)
-    sampler_logp = right_pad([np.pad(t.logprobs, k) for k, t in zip(pre, trajs)], 0.0, torch.float)  # (B, T-1)
+    loss_mask = right_pad([np.pad(t.loss_mask, k) for k, t in zip(pre, trajs)], 0, torch.long)   # (B, T-1)
+    sampler_logp = right_pad([np.pad(t.logprobs, k) for k, t in zip(pre, trajs)], 0.0, torch.float)  # (B,T-1)
     return tuple(x.to(device) for x in (input_ids, attention_mask, loss_mask, sampler_logp))
 
 

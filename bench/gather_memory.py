@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
 from rollout import Trajectory, score  # noqa: E402
-from scheduler import ProblemQueue, without_payload  # noqa: E402
+from batch import ProblemQueue, without_payload  # noqa: E402
 from training import plan_micro_batches  # noqa: E402
 
 VOCAB = 151_643  # Qwen's vocabulary
@@ -177,7 +177,7 @@ def gloo_rank(rank: int, world: int, init: str, count: int, prompt: int, respons
         kept = [t for t in trajs if t.sample % 2]  # G of 2G
         plan = plan_micro_batches([t.prompt_length + t.response_length for t in kept], prompt + response, world)
         counts = plan_counts(plan, [t.index % world for t in kept])[rank]
-        return trajs, queue.exchange(kept, plan_trainers(plan, len(kept))), counts
+        return trajs, queue.exchange(kept, plan), counts
 
     result = {}
     for name, protocol in (("before", before), ("after", after)):
@@ -190,14 +190,6 @@ def gloo_rank(rank: int, world: int, init: str, count: int, prompt: int, respons
         pickle.dump(result, f)
     dist.destroy_process_group()
 
-
-def plan_trainers(plan: list, n: int) -> list[int]:
-    """The rank that trains each of n trajectories in a plan_micro_batches plan (train.py: trainer_ranks)."""
-    trainers = [0] * n
-    for rank, batches in enumerate(plan):
-        for i in (i for batch in batches for i in batch):
-            trainers[i] = rank
-    return trainers
 
 
 def main():

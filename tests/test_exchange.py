@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rollout import Trajectory, trajectory_metrics
-from scheduler import ProblemQueue, without_payload
+from batch import ProblemQueue, without_payload
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEMS, SAMPLES = 6, 4
@@ -34,15 +34,16 @@ def same_tokens(a: Trajectory, b: Trajectory) -> bool:
                for k in ("prompt_ids", "response_ids", "loss_mask", "logprobs"))
 
 
-def trainers_of(kept: list[Trajectory], world_size: int) -> list[int]:
+def plan_of(kept: list[Trajectory], world_size: int) -> list:
     """Who trains what, as train.py plans it: the micro-batch plan over the kept trajectories' lengths."""
     from training import plan_micro_batches
-    plan = plan_micro_batches([t.prompt_length + t.response_length for t in kept], 64, world_size)
-    trainers = [0] * len(kept)
-    for rank, batches in enumerate(plan):
-        for i in (i for batch in batches for i in batch):
-            trainers[i] = rank
-    return trainers
+    return plan_micro_batches([t.prompt_length + t.response_length for t in kept], 64, world_size)
+
+
+def trainers_of(kept: list[Trajectory], world_size: int) -> list[int]:
+    """The rank each of `kept` is trained on, by the plan."""
+    return [next(r for r, batches in enumerate(plan_of(kept, world_size)) if any(i in b for b in batches))
+            for i in range(len(kept))]
 
 
 def test_one_rank_gathers_and_exchanges_nothing():
@@ -50,10 +51,10 @@ def test_one_rank_gathers_and_exchanges_nothing():
     trajs = [rolled_out(i, s) for i in range(PROBLEMS) for s in range(SAMPLES)]
     queue = ProblemQueue()
     gathered = queue.gather(trajs)
-    kept = queue.exchange(gathered, trainers_of(gathered, 1))
+    kept = queue.exchange(gathered, plan_of(gathered, 1))
     assert all(a is b for a, b in zip(kept, trajs)) and len(kept) == len(trajs)
     with pytest.raises(RuntimeError, match="HINT"):  # tokens that no rank holds
-        queue.exchange([without_payload(trajs[0])], [0])
+        queue.exchange([without_payload(trajs[0])], [[[0]]])
 
 
 def test_a_trajectorys_numbers_are_small_and_read_like_its_own():
@@ -114,7 +115,7 @@ def _rank_main(out: str):
                         and t.prompt_length == rolled_out(t.index, t.sample).prompt_length for t in gathered)
     held = [[t.index, t.sample] for t in gathered if t.response_ids is not None and t.text is not None]
     kept = [t for t in gathered if (t.index + t.sample) % 3]      # what down-sampling kept
-    kept = queue.exchange(kept, trainers_of(kept, world_size))
+    kept = queue.exchange(kept, plan_of(kept, world_size))
     with_tokens = [t for t in kept if t.response_ids is not None]
     result = {"gathered": [[t.index, t.sample] for t in gathered], "numbers_equal": numbers_equal,
               "held": held, "kept": [[t.index, t.sample] for t in kept],

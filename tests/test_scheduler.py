@@ -7,7 +7,8 @@ import pytest
 
 from conversation import IM_END, render_prompt, render_tool_call
 from rollout import RolloutConfig
-from scheduler import ProblemQueue, rollout_lockstep, rollout_scheduled
+from batch import ProblemQueue
+from scheduler import rollout_lockstep, rollout_scheduled
 
 
 class StepEngine:
