@@ -37,8 +37,8 @@ Every phase also pays the CUDA context and NCCL's buffers, and keeps a margin fr
    at their longest, or when nothing fits without it. The engine must start after the offload: vLLM
    asks for its share of the GPU free at start-up.
 7. Host memory of the busiest node (node 0): the sleeping engines' pinned weights and CUDA graphs,
-   the offloaded trainer state, the whole batch of trajectories on every rank (and its pickled copy
-   during the gather), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
+   the offloaded trainer state, the trajectories (each rank's own rollouts, lists until they are
+   scored, and every trajectory's numbers: batch.ProblemQueue), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
    workers, each rank's process. (Rank 0 reads the model, 4P, at start-up, before any of these; a
    sandbox call may use up to its memory cap, 1 GiB, while it runs: not counted.)
 The engine's share goes to vLLM as gpu_memory_utilization (memory_fraction), not as the KV cache's
@@ -93,9 +93,10 @@ MASK_BYTES = 3             # transformers' sdpa mask when a micro-batch is padde
 HOST_LINK_BYTES_PER_S = 25e9  # an assumed effective pinned host<->GPU copy rate per GPU (PCIe Gen5 x16
 #   is 64 GB/s a direction in theory, Gen4 32; GPUs behind one switch share it)
 OFFLOAD_GAIN = 2.0         # offload_trainer="auto" offloads when it multiplies rollouts at once by this
-TRAJECTORY_BYTES = 90      # per token of a rollout.Trajectory: a token id (a list slot and an int object),
-#   its log-prob (a slot and a float), its loss-mask slot, the text (measured with tracemalloc)
-PICKLED_BYTES = 20         # per token while scheduler.ProblemQueue.gather pickles the batch (measured)
+TRAJECTORY_BYTES = 90      # per token of a rollout.Trajectory while it grows: a token id (a list slot and an
+#   int object), its log-prob (a slot and a float), its loss-mask slot, the text (measured, tracemalloc);
+#   scored, its tokens are arrays (9 bytes), and a rank trains on about its own share's worth of them
+NUMBERS_BYTES = 1024       # a trajectory without its tokens (batch.without_payload): ~370 measured, rounded up
 SANDBOX_SLOT = (101 + 17) * MiB  # a slot's "full" and "light" workers (sandbox.py), RSS measured on a CPU;
 #   a running call may add up to its memory_mb (1 GiB by default), not counted
 PROCESS_HOST = 5 * GiB     # a rank's process: Python, torch, CUDA and NCCL libraries, vLLM: an estimate
@@ -365,9 +366,8 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     slots = per_node * max(1, cores_per_node // per_node - 1)  # sandbox.default_workers on every rank
     host = {"engines asleep: pinned weights, CUDA graphs": per_node * (2 * p + CUDA_GRAPHS),
             "trainer offloaded: pinned fp32 weights, moments": per_node * 12 * p // ranks if chosen else 0,
-            "trajectories: the whole batch on every rank":
-                per_node * (whole_batch * (TRAJECTORY_BYTES + PICKLED_BYTES)
-                            + whole_batch * TRAJECTORY_BYTES // ranks),
+            "trajectories: each rank's own, every one's numbers":
+                per_node * (whole_batch // ranks * TRAJECTORY_BYTES + rollouts_per_step * NUMBERS_BYTES),
             # training.save_hf_checkpoint: get_model_state_dict(cpu_offload=True) keeps it on rank 0 only
             # (torch/distributed/checkpoint/state_dict.py _maybe_full_or_cpu_state_dict), then .to(bf16)
             "rank 0's HF export: fp32 state dict, bf16 copy": (4 + 2) * p,

@@ -65,11 +65,11 @@ def test_every_phase_by_hand():
     # resume: the optimizer state initialised (20P/N = 3880) is more than loading (4P/N + 4 x 152 = 1384)
     assert p.resume_peak == 3880 + buffers + CONTEXT
     assert p.sync_peak == 2328 + 776 + CUDA_GRAPHS + buffers + 384 + CONTEXT
-    # host, 2 GPUs on the node: 4 rollouts x 1000 tokens on each rank: 110 bytes a token for the whole
-    # batch (objects and pickled), 90 / 2 for the rank's own share; sandbox: (6 // 2 - 1) slots a rank
+    # host, 2 GPUs on the node: 4 rollouts x 1000 tokens, each rank its own half at 90 bytes a token
+    # (lists while they grow) and 1 KiB of numbers for each of the 4; sandbox: (6 // 2 - 1) slots a rank
     assert p.host == {"engines asleep: pinned weights, CUDA graphs": 2 * (776 + CUDA_GRAPHS),
                       "trainer offloaded: pinned fp32 weights, moments": 0,
-                      "trajectories: the whole batch on every rank": 2 * (4000 * 110 + 4000 * 90 // 2),
+                      "trajectories: each rank's own, every one's numbers": 2 * (4000 // 2 * 90 + 4 * 1024),
                       "rank 0's HF export: fp32 state dict, bf16 copy": 6 * 388,
                       "sandbox workers": 4 * SANDBOX_SLOT, "processes": 2 * PROCESS_HOST}
     assert (p.offload, p.offload_bytes_per_step, p.offload_seconds) == (False, 0, 0.0)
