@@ -23,8 +23,9 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from conversation import render_messages
+from logprobs import token_logprobs
 from training import (empty_pass, init_distributed, load_sharded_model, plan_micro_batches, right_pad,
-                      save_hf_checkpoint, token_logprobs)
+                      save_hf_checkpoint)
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's recipe; a preset replaces some of them.

@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 import memory_plan
 from batch import ProblemQueue, ProblemStream
+from conversation import prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, trainer_offloaded, wake_for_rollout)
 from grpo_roc import (DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, effective_sample_size,
@@ -39,10 +40,10 @@ from grpo_roc import (DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, effec
 from rollout import add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
-from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, complete_checkpoints, cpu_group, empty_pass,
-                      find_checkpoint, init_distributed, load_checkpoint, load_sharded_model,
-                      plan_micro_batches, rewind_logs, right_pad, save_checkpoint, save_hf_checkpoint,
-                      token_logprobs, trajectory_tensors)
+from logprobs import SharedPrefix, shared_prefix_length, token_logprobs
+from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, empty_pass, init_distributed,
+                      load_sharded_model, mean_over_steps, plan_micro_batches, right_pad, save_checkpoint,
+                      save_hf_checkpoint, start_point, trajectory_tensors)
 
 # -----------------------------------------------------------------------------
 # Settings. Defaults are the paper's (§4.3). A flag given on the command line always wins; below it,
@@ -177,23 +178,13 @@ log(f"data: {len(problems)} problems from {args.data}; "
     f"dropped {n_long} with a prompt over {args.max_prompt} tokens")
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
-# The data stream: `position` counts problems taken; `stream_start` is where this run began in it
-# (it enters the sampling seeds, so a continued stream never repeats an earlier stage's seeds).
+# Where the run starts: its own newest checkpoint (--resume), an earlier stage's (--init-from), or
+# the beginning. The data stream's `position` counts problems taken; `stream_start` is where this run
+# began in it (it enters the sampling seeds, so a continued stream never repeats an earlier stage's).
 ckpt_root = os.path.join(args.out_dir, "checkpoints")
-start_step, position, stream_start = 0, 0, 0
-if args.resume and complete_checkpoints(ckpt_root):
-    meta = load_checkpoint(model, optimizer, complete_checkpoints(ckpt_root)[-1])
-    start_step, position, stream_start = meta["step"], meta["position"], meta["stream_start"]
-    if master:
-        rewind_logs(args.out_dir, start_step)  # the steps after the checkpoint are lost: log them anew
-    log(f"resumed from {ckpt_root}/step_{start_step}: step {start_step}, data position {position}")
-elif args.init_from:
-    source = find_checkpoint(args.init_from)
-    meta = load_checkpoint(model, optimizer, source, with_optimizer=not args.reset_optimizer)
-    if os.path.abspath(meta["config"]["data"]) == os.path.abspath(args.data):
-        position = stream_start = meta["position"]  # the same data: go on where the earlier stage stopped
-    log(f"initialised from {source}" + (" (fresh optimizer)" if args.reset_optimizer else "")
-        + f"; data position {position}")
+start = start_point(model, optimizer, ckpt_root, args.resume, args.init_from, args.reset_optimizer, args.data)
+start_step, position, stream_start = start["step"], start["position"], start["stream_start"]
+log(start["message"])
 stream = ProblemStream(problems, args.seed)
 
 # -----------------------------------------------------------------------------
@@ -220,13 +211,35 @@ if args.wandb and master:
 # The policy update (4), defined here, used in the step loop below.
 
 METRICS = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "logprob_mismatch",
-           "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n"]
+           "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n", "logprob_mismatch_max", "grad_norm"]
+# Every prompt starts with the same tokens (the system prompt). Without activation checkpointing (CPUs)
+# they run once per optimizer step (logprobs.SharedPrefix); on GPUs each row runs whole.
+probes = [prompt_ids(tokenizer, question) for question in ("1", "2")]
+prefix_ids = [] if device.type == "cuda" else probes[0][:shared_prefix_length(probes)]
+
+
+def shared_prefix():
+    return SharedPrefix(model, torch.tensor(prefix_ids, device=device)) if prefix_ids else None
 
 
 def micro_batches(kept) -> list[list[list[int]]]:
     """Every rank's micro-batches of `kept`, as lists of indices (empty ones keep FSDP in step)."""
-    lengths = [t.prompt_length + t.response_length for t in kept]
+    lengths = [t.prompt_length + t.response_length - len(prefix_ids) for t in kept]  # the tokens that run
     return plan_micro_batches(lengths, args.micro_batch_tokens, world_size)
+
+
+def forward(kept, prefix):
+    """This rank's micro-batches of `kept`, each as (its indices, its tensors: input_ids, attention_mask,
+    loss_mask (1 on sampled tokens, 0 on the prompt and tool turns), sampler_logp; its log-probs
+    (B, T-1)), in order; an empty pass in place of each empty one (FSDP needs every rank in every pass)."""
+    for micro_batch in micro_batches(kept)[rank]:
+        if not micro_batch:
+            empty_pass(model, pad_id, device)
+            continue
+        tensors = trajectory_tensors([kept[i] for i in micro_batch], pad_id, device)
+        # (on GPUs each chunk's head is recomputed in the backward; on CPUs its logits are kept)
+        yield micro_batch, tensors, token_logprobs(model, *tensors[:2], args.temperature, prefix=prefix,
+                                                   recompute=device.type == "cuda")
 
 
 @torch.no_grad()
@@ -234,29 +247,18 @@ def old_logprobs(kept) -> list[torch.Tensor | None]:
     """The current policy's log-probs of this rank's trajectories of `kept` (the same micro-batches
     optimizer_step will run), per trajectory; None for the other ranks' trajectories."""
     out = [None] * len(kept)
-    for micro_batch in micro_batches(kept)[rank]:
-        if not micro_batch:
-            empty_pass(model, pad_id, device)  # (a forward only, under no_grad)
-            continue
-        input_ids, attention_mask, _, _ = trajectory_tensors([kept[i] for i in micro_batch], pad_id, device)
-        logp = token_logprobs(model, input_ids, attention_mask, args.temperature)               # (B, T-1)
+    for micro_batch, _, logp in forward(kept, shared_prefix()):
         for row, i in enumerate(micro_batch):  # each trajectory's own positions, without padding
-            out[i] = logp[row, :len(kept[i].prompt_ids) + len(kept[i].response_ids) - 1].cpu()
+            out[i] = logp[row, :kept[i].prompt_length + kept[i].response_length - 1].cpu()
     return out
 
 
 def optimizer_step(kept, advantages, old) -> dict:
     """One optimizer step on `kept`; this rank's metric sums (each already / n_loss_tokens)."""
     n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))  # the global denominator of the loss
-    sums, mismatch_max = dict.fromkeys(METRICS, 0.0), 0.0
-    for micro_batch in micro_batches(kept)[rank]:
-        if not micro_batch:  # FSDP's collectives need every rank in every pass
-            empty_pass(model, pad_id, device)
-            continue
-        rows = [kept[i] for i in micro_batch]  # (loss_mask: 1 on sampled tokens; prompt, tool turns 0)
-        input_ids, attention_mask, loss_mask, sampler_logp = trajectory_tensors(rows, pad_id, device)
+    sums, prefix = dict.fromkeys(METRICS, 0.0), shared_prefix()
+    for micro_batch, (_, _, loss_mask, sampler_logp), logp in forward(kept, prefix):
         adv = torch.tensor([advantages[i] for i in micro_batch], device=device)                # (B,)
-        logp = token_logprobs(model, input_ids, attention_mask, args.temperature)               # (B, T-1)
         if old is None:  # one step per RL step: the policy before the step is this one (ratio 1)
             old_logp = logp.detach()
         else:
@@ -269,15 +271,17 @@ def optimizer_step(kept, advantages, old) -> dict:
         (loss * world_size).backward()  # FSDP averages gradients over ranks: undo it
         mismatch = (logp.detach() - sampler_logp).abs() * loss_mask                            # (B, T-1)
         metrics.update(stats, loss=loss.item(), logprob_mismatch=mismatch.sum().item() / n_loss_tokens)
-        for k in METRICS:
+        for k in METRICS[:-2]:
             sums[k] += metrics[k]
-        mismatch_max = max(mismatch_max, mismatch.max().item())
+        sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], mismatch.max().item())
+    if prefix is not None:
+        prefix.backward()  # (the gradient the micro-batches left on the shared prefix, through it once)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     if kept:  # a step where every group was dropped changes nothing
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    return dict(sums, logprob_mismatch_max=mismatch_max, grad_norm=grad_norm.item())
+    return dict(sums, grad_norm=grad_norm.item() / world_size)  # (every rank has it: their sum is it)
 
 
 def policy_update(kept, advantages, problem_queue) -> dict:
@@ -294,14 +298,9 @@ def policy_update(kept, advantages, problem_queue) -> dict:
     steps = []
     for (rows, part_advantages), part_old in zip(parts, old):
         steps.append(optimizer_step(rows, part_advantages, part_old))
-    totals = torch.tensor([[s[m] for m in METRICS] for s in steps], dtype=torch.float64)      # (K, metrics)
-    totals = totals.to(device)  # (float64: the ESS sums must add up to more than float32 can tell apart)
-    worst = torch.tensor(max(s["logprob_mismatch_max"] for s in steps), device=device)
-    dist.all_reduce(totals)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    row = dict(zip(METRICS, totals.mean(0).tolist()), logprob_mismatch_max=worst.item())
+    row = mean_over_steps(steps, METRICS, device)
     row["ess"] = effective_sample_size(row.pop("ess_sum_w"), row.pop("ess_sum_w2"), row.pop("ess_n"))
-    row.update(grad_norm=sum(s["grad_norm"] for s in steps) / k, optimizer_steps=k)
+    row["optimizer_steps"] = k
     return row
 
 # -----------------------------------------------------------------------------

@@ -6,13 +6,12 @@
    decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs.
 3. Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
    share cut by a token budget, as many passes on every rank (FSDP's collectives need them all).
-4. Token log-probs at every position, over chunks of positions: memory grows with the chunk, not
-   with tokens x vocabulary.
-5. The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
-6. Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
+   (The token log-probs both losses use are logprobs.py's.)
+4. The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
+5. Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
    leaves a broken step_N), the newest N kept, loaded with or without the optimizer; the run's logs
    rewound to the checkpoint on resume.
-7. Files: the check that every rank sees the output folder (all write checkpoints, one renames).
+6. Files: the check that every rank sees the output folder (all write checkpoints, one renames).
 """
 import copy
 import datetime
@@ -21,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 
 import numpy as np
 import torch
@@ -32,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 
 from conversation import CHAT_TEMPLATE
+from logprobs import token_logprobs
 
 # -----------------------------------------------------------------------------
 # (1) The process group
@@ -159,6 +157,17 @@ def trajectory_tensors(trajs, pad_id: int, device):
     return tuple(x.to(device) for x in (input_ids, attention_mask, loss_mask, sampler_logp))
 
 
+def mean_over_steps(steps: list[dict], keys: list[str], device) -> dict:
+    """Each key of one dict per optimizer step: summed over ranks, then averaged over the steps; a key
+    ending in "_max" is the largest instead. In float64: sums of many small terms keep their digits."""
+    values = torch.tensor([[s[k] for k in keys] for s in steps], dtype=torch.float64).to(device)  # (K, keys)
+    total, highest = values.clone(), values.clone()
+    dist.all_reduce(total)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)                   # (keys,)
+    return dict(zip(keys, torch.where(is_max, highest.max(0).values, total.mean(0)).tolist()))
+
+
 def empty_pass(model, pad_id: int, device) -> None:
     """A forward (and, with gradients on, a backward) of two tokens, zero loss: a rank's pass with nothing."""
     input_ids = torch.full((1, 2), pad_id, device=device)
@@ -167,39 +176,7 @@ def empty_pass(model, pad_id: int, device) -> None:
         (logp.sum() * 0.0).backward()
 
 # -----------------------------------------------------------------------------
-# (4) Token log-probs
-
-LOGPROB_CHUNK_TOKENS = 1024  # positions per chunk: 0.6 GB of fp32 logits at a 152K vocabulary
-# FSDP2 warns that the outputs include a view (the embeddings): nothing here changes them in place.
-warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-
-def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
-                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """log softmax(logits / temperature)[input_ids[:, t + 1]] at every position t: (B, T-1), fp32. The
-    head, the temperature and the log-softmax run over chunks of positions of the final hidden states,
-    each recomputed in the backward: no tensor of T x V ever exists, only chunk x V."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1][:, :-1]                      # (B, T-1, H), after the final norm
-    batch, positions, width = hidden.shape
-    hidden = hidden.reshape(batch * positions, width)          # (N, H)
-    targets = input_ids[:, 1:].reshape(batch * positions)      # (N,)
-    head = model.get_output_embeddings()
-    chunks = []
-    for start in range(0, batch * positions, chunk_tokens):
-        end = start + chunk_tokens
-        chunks.append(checkpoint(_chunk_logprobs, hidden[start:end], targets[start:end], head.weight,
-                                 head.bias, temperature, use_reentrant=False))
-    return torch.cat(chunks).view(batch, positions)            # (B, T-1)
-
-
-def _chunk_logprobs(hidden, targets, weight, bias, temperature):
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature  # (n, V)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)    # (n,)
-
-# -----------------------------------------------------------------------------
-# (5) The HF export
+# (4) The HF export
 
 
 def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, latest: str | None = None):
@@ -221,7 +198,7 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, late
     dist.barrier(group=cpu_group())
 
 # -----------------------------------------------------------------------------
-# (6) Checkpoints
+# (5) Checkpoints
 
 
 def complete_checkpoints(root: str) -> list[str]:
@@ -272,6 +249,30 @@ def find_checkpoint(path: str) -> str:
     return found[-1]
 
 
+def start_point(model, optimizer, root: str, resume: bool, init_from: str | None, reset_optimizer: bool,
+                data: str) -> dict:
+    """Where a run starts, loaded into `model` and `optimizer`: with `resume`, the newest checkpoint
+    under `root` (its logs rewound to it: the steps after it were lost); else with `init_from`, an
+    earlier stage's newest, its optimizer unless `reset_optimizer`, and its data position if it read
+    the same `data`; else the beginning. Returns {"step", "position", "stream_start", "message"}."""
+    start = dict(step=0, position=0, stream_start=0, message="starting from the model's weights")
+    if resume and complete_checkpoints(root):
+        meta = load_checkpoint(model, optimizer, complete_checkpoints(root)[-1])
+        start = dict(step=meta["step"], position=meta["position"], stream_start=meta["stream_start"],
+                     message=f"resumed from {root}/step_{meta['step']}: step {meta['step']}, "
+                             f"data position {meta['position']}")
+        if dist.get_rank() == 0:
+            rewind_logs(os.path.dirname(root), meta["step"])
+    elif init_from:
+        source = find_checkpoint(init_from)
+        meta = load_checkpoint(model, optimizer, source, with_optimizer=not reset_optimizer)
+        if os.path.abspath(meta["config"]["data"]) == os.path.abspath(data):  # go on where it stopped
+            start.update(position=meta["position"], stream_start=meta["position"])
+        start["message"] = (f"initialised from {source}" + (" (fresh optimizer)" if reset_optimizer else "")
+                            + f"; data position {start['position']}")
+    return start
+
+
 def rewind_logs(out_dir: str, step: int) -> None:
     """Drop what a run logged after `step` (rank 0, at resume): the metrics.jsonl rows and samples.txt
     trajectories of steps whose update was lost with the crash, so each step is logged once."""
@@ -285,7 +286,7 @@ def rewind_logs(out_dir: str, step: int) -> None:
                 f.writelines(kept)
 
 # -----------------------------------------------------------------------------
-# (7) Files
+# (6) Files
 
 
 def check_shared_dir(path: str) -> None:

@@ -37,7 +37,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conversation import prompt_ids, render_messages  # noqa: E402
 from engine import CPU_BLOCK, kv_capacity_tokens, make_engine  # noqa: E402
-from training import plan_micro_batches, right_pad, token_logprobs  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
+from training import plan_micro_batches, right_pad  # noqa: E402
 
 parser = argparse.ArgumentParser(description="Training and generation throughput of a real model on a CPU.")
 parser.add_argument("--model", required=True, help="HF model folder (e.g. the SmolLM2-135M-Instruct one)")

@@ -130,7 +130,7 @@ def tool_trajectories(smollm2_engine, smollm2_model_dir, sandbox, toy_world):
 def test_trainer_logprobs_equal_vllm_on_every_sampled_token_of_multi_turn_tool_trajectories(
         tool_trajectories, smollm2_model_dir):
     from transformers import AutoModelForCausalLM
-    from training import token_logprobs
+    from logprobs import token_logprobs
     trajs, _, _ = tool_trajectories
     multi = [t for t in trajs if tool_turns_between_sampled_turns(t)]
     assert len(multi) >= 3, (f"only {len(multi)}/{len(trajs)} trajectories have a tool turn between sampled "
@@ -197,7 +197,7 @@ def greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]
 
 def max_logprob_diff(model, prompts, samples) -> float:
     """Largest difference between the HF model's log-probs of the sampled tokens and the engine's."""
-    from training import token_logprobs
+    from logprobs import token_logprobs
     worst = 0.0
     for prompt, (ids, logprobs) in zip(prompts, samples):
         x = torch.tensor([prompt + ids])                                                  # (1, T)

@@ -238,7 +238,7 @@ def test_at_temperature_0_7_sampler_and_trainer_score_the_distribution_that_drew
     import torch
     from transformers import AutoModelForCausalLM
     from scheduler import rollout_lockstep
-    from training import token_logprobs
+    from logprobs import token_logprobs
     trajs, _ = rollout_lockstep(toy_engine.llm_engine, toy_engine.get_tokenizer(), sandbox, problems[:8], 2,
                                 RolloutConfig(deterministic=True, max_response=256, temperature=0.7, seed=5))
     model = AutoModelForCausalLM.from_pretrained(toy_sft_model, dtype=torch.float32)

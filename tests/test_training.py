@@ -10,8 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from logprobs import SharedPrefix, shared_prefix_length, token_logprobs
 from rollout import read_problems
-from training import token_logprobs
+from training import right_pad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +51,55 @@ def test_chunked_logprobs_and_their_gradients_equal_the_whole_vocabulary_computa
         assert torch.allclose(got, want, atol=1e-5), f"chunk {chunk}: log-probs differ by {(got - want).abs().max()}"
         for a, b in zip(got_grads, want_grads):  # fp32 sums in another order: ~1e-6 of the largest entry
             assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-7, f"chunk {chunk}: gradients differ"
+
+
+def test_a_shared_prefix_run_once_gives_the_log_probs_and_gradients_of_whole_rows():
+    """Rows of different lengths (right-padded) that share 9 tokens, in two micro-batches: the prefix
+    runs once, each micro-batch reads it, one backward sends its gradient through the prefix; the
+    log-probs after the prefix and the summed gradients are those of running every row whole."""
+    model = random_model(tie=True)
+    torch.manual_seed(1)
+    shared = torch.randint(0, 8192, (9,)).tolist()
+    rows = [shared + torch.randint(0, 8192, (n,)).tolist() for n in (12, 3, 7, 1)]
+    assert shared_prefix_length(rows) == 9
+    assert shared_prefix_length([shared, shared + [5]]) == 8, "a row must keep a token after the prefix"
+    weights = [torch.rand(len(row) - 1) for row in rows]  # a loss that weighs every position differently
+    micro_batches = [[0, 2], [1, 3]]
+
+    def run(shared_prefix: bool, recompute: bool = True):
+        model.zero_grad()
+        prefix = SharedPrefix(model, torch.tensor(shared)) if shared_prefix else None
+        values = [None] * len(rows)
+        for micro_batch in micro_batches:
+            batch = [rows[i] for i in micro_batch]
+            input_ids = right_pad(batch, 0)                                          # (B, T)
+            attention_mask = right_pad([[1] * len(row) for row in batch], 0)          # (B, T)
+            logp = token_logprobs(model, input_ids, attention_mask, 0.7, 5, prefix, recompute)  # (B, T-1)
+            loss = 0.0
+            for j, i in enumerate(micro_batch):  # positions from the prefix's last one: what losses count
+                n = len(rows[i]) - 1
+                values[i] = logp[j, 8:n].detach()
+                loss = loss + (logp[j, 8:n] * weights[i][8:]).sum()
+            loss.backward()
+        if prefix is not None:
+            prefix.backward()
+        return values, [p.grad.clone() for p in model.parameters()]
+
+    want, want_grads = run(shared_prefix=False)
+    for recompute in (True, False):
+        got, got_grads = run(shared_prefix=True, recompute=recompute)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-5), f"log-probs differ by {(a - b).abs().max()}"
+        for a, b in zip(got_grads, want_grads):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-7, "gradients differ"
+
+
+def test_a_shared_prefix_is_refused_where_the_model_would_drop_its_cache():
+    """transformers drops past_key_values under gradient checkpointing: the prefix would silently vanish."""
+    model = random_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ValueError, match="gradient checkpointing(.|\n)*HINT"):
+        SharedPrefix(model.train(), torch.tensor([1, 2, 3]))
 
 
 class LargestTensor(TorchDispatchMode):
