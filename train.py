@@ -212,26 +212,27 @@ if args.wandb and master:
 
 METRICS = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "logprob_mismatch",
            "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n", "logprob_mismatch_max", "grad_norm"]
-# Every prompt starts with the same tokens (the system prompt). Without activation checkpointing (CPUs)
-# they run once per optimizer step (logprobs.SharedPrefix); on GPUs each row runs whole.
-probes = [prompt_ids(tokenizer, question) for question in ("1", "2")]
-prefix_ids = [] if device.type == "cuda" else probes[0][:shared_prefix_length(probes)]
+# Prompts start alike (the system prompt): without activation checkpointing (CPUs) that runs once.
+probes = [prompt_ids(tokenizer, question) for question in ("1", "What")]
+shared = 0 if device.type == "cuda" else shared_prefix_length(probes)
 
 
-def shared_prefix():
-    return SharedPrefix(model, torch.tensor(prefix_ids, device=device)) if prefix_ids else None
+def shared_prefix(kept):
+    """The probes' common start, or less if a row of this rank lacks it, run once (on every rank: FSDP)."""
+    mine = [kept[i].prompt_ids for batch in micro_batches(kept)[rank] for i in batch] + probes[:1]
+    prefix_ids = torch.tensor(probes[0][:min(shared, shared_prefix_length(mine))], device=device)
+    return SharedPrefix(model, prefix_ids) if shared else None
 
 
 def micro_batches(kept) -> list[list[list[int]]]:
     """Every rank's micro-batches of `kept`, as lists of indices (empty ones keep FSDP in step)."""
-    lengths = [t.prompt_length + t.response_length - len(prefix_ids) for t in kept]  # the tokens that run
+    lengths = [t.prompt_length + t.response_length - shared for t in kept]  # about the tokens that run
     return plan_micro_batches(lengths, args.micro_batch_tokens, world_size)
 
 
 def forward(kept, prefix):
-    """This rank's micro-batches of `kept`, each as (its indices, its tensors: input_ids, attention_mask,
-    loss_mask (1 on sampled tokens, 0 on the prompt and tool turns), sampler_logp; its log-probs
-    (B, T-1)), in order; an empty pass in place of each empty one (FSDP needs every rank in every pass)."""
+    """This rank's micro-batches of `kept`: (indices, training.trajectory_tensors, log-probs (B, T-1)); an
+    empty pass in place of an empty one (FSDP needs every rank in every pass)."""
     for micro_batch in micro_batches(kept)[rank]:
         if not micro_batch:
             empty_pass(model, pad_id, device)
@@ -247,7 +248,7 @@ def old_logprobs(kept) -> list[torch.Tensor | None]:
     """The current policy's log-probs of this rank's trajectories of `kept` (the same micro-batches
     optimizer_step will run), per trajectory; None for the other ranks' trajectories."""
     out = [None] * len(kept)
-    for micro_batch, _, logp in forward(kept, shared_prefix()):
+    for micro_batch, _, logp in forward(kept, shared_prefix(kept)):
         for row, i in enumerate(micro_batch):  # each trajectory's own positions, without padding
             out[i] = logp[row, :kept[i].prompt_length + kept[i].response_length - 1].cpu()
     return out
@@ -256,7 +257,7 @@ def old_logprobs(kept) -> list[torch.Tensor | None]:
 def optimizer_step(kept, advantages, old) -> dict:
     """One optimizer step on `kept`; this rank's metric sums (each already / n_loss_tokens)."""
     n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))  # the global denominator of the loss
-    sums, prefix = dict.fromkeys(METRICS, 0.0), shared_prefix()
+    sums, prefix = dict.fromkeys(METRICS, 0.0), shared_prefix(kept)
     for micro_batch, (_, _, loss_mask, sampler_logp), logp in forward(kept, prefix):
         adv = torch.tensor([advantages[i] for i in micro_batch], device=device)                # (B,)
         if old is None:  # one step per RL step: the policy before the step is this one (ratio 1)
