@@ -50,8 +50,7 @@ def get_args(argv=None):
     parser.add_argument("--eval-dir", default="data/eval",
                         help="where named benchmarks are cached (data/prepare_eval.py)")
     parser.add_argument("--n", "--samples", type=int, default=16, dest="n",
-                        help="samples per problem (under torchrun spell it --samples: torchrun reads --n as "
-                             "its own)")
+                        help="samples per problem (--samples under torchrun, which takes --n for itself)")
     rollouts = add_rollout_flags(parser, temperature=0.6, max_response=30000, max_turns=30)  # (1)
     rollouts.add_argument("--max-prompt", type=int, default=4096,
                           help="problems whose prompt has more tokens are dropped (and counted)")
@@ -65,8 +64,9 @@ def get_args(argv=None):
                         help="sandbox workers per rank (default: the CPU cores shared among the node's "
                              "ranks)")
     parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds a tool call may run")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="sampling seed (every turn of every sample derives its own)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--first", type=int, default=None,
+                        help="only the first N problems of each file (e.g. the stage-3 filter on a sample)")
     parser.add_argument("--out-dir", default=None,
                         help="where table.json, samples.jsonl and eval_config.json go (default "
                              "results/<model name>; with --filter-solved: the verdicts behind the filter)")
@@ -220,7 +220,8 @@ def main(argv=None, llm=None):
     paths = [args.data] if filtering else [benchmark_path(b, args.eval_dir) for b in args.benchmarks]
     benchmarks = {}
     for name, path in zip(short_names(paths), paths):
-        benchmarks[name], n_long = drop_long_prompts(read_problems(path), tokenizer, args.max_prompt)
+        problems = read_problems(path)[:args.first]
+        benchmarks[name], n_long = drop_long_prompts(problems, tokenizer, args.max_prompt)
         if n_long and master:
             print(f"{name}: dropped {n_long} problems with a prompt over {args.max_prompt} tokens")
     if not all(benchmarks.values()):

@@ -38,7 +38,7 @@ def test_demo_runs_the_recipe_and_the_ablation_adds_a_column(tmp_path, toy_world
     sft = json.loads((tmp_path / "runs/demo/eval_sft/table.json").read_text())["table"][0]
     rl = json.loads((tmp_path / "runs/demo/eval_roc/table.json").read_text())["table"][0]
     assert sft["samples"] == rl["samples"] == 2 * sft["problems"]
-    accuracy = table_line(stdout, "accuracy (avg pass@1, %)")
+    accuracy = table_line(stdout, "accuracy (avg@2, %)")
     assert accuracy == [f"{100 * sft['avg_pass@1']:.1f}", f"{100 * rl['avg_pass@1']:.1f}"], "table != table.json"
     metrics = [json.loads(line) for line in (tmp_path / "runs/toy_rl/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
