@@ -10,6 +10,8 @@ tool call and instruction following, with the loss on assistant tokens only.
    group of one (training.py).
 4. A step's batch is dealt across ranks and cut into micro-batches (training.plan_micro_batches).
 5. Loss = mean over the step's assistant tokens (global count): any split, same gradient.
+6. Without activation checkpointing, the tokens every conversation of a step starts with (the system
+   prompt) run once for the step, not once per conversation (logprobs.SharedPrefix).
 """
 import argparse
 import json
@@ -23,7 +25,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from conversation import render_messages
-from logprobs import token_logprobs
+from logprobs import SharedPrefix, shared_prefix_length, token_logprobs
 from training import (empty_pass, init_distributed, load_sharded_model, plan_micro_batches, right_pad,
                       save_hf_checkpoint)
 
@@ -129,13 +131,15 @@ def tokenize_conversations(tokenizer, conversations, path, max_len):
 # -----------------------------------------------------------------------------
 # Loss and schedule.
 
-def assistant_nll_sum(model, samples, pad_id, device):
+def assistant_nll_sum(model, samples, pad_id, device, prefix=None):
     """Sum of -log p(token) over the assistant tokens (loss mask 1) of (ids, loss_mask) samples.
-    Position t predicts token t+1, so the mask is read one to the right."""
+    Position t predicts token t+1, so the mask is read one to the right. `prefix`: a SharedPrefix
+    that every sample starts with (run once per step; then each chunk's logits are kept)."""
     input_ids = right_pad([ids for ids, _ in samples], pad_id).to(device)                 # (B, T)
     attention_mask = right_pad([[1] * len(ids) for ids, _ in samples], 0).to(device)     # (B, T)
     loss_mask = right_pad([mask[1:] for _, mask in samples], 0).to(device)               # (B, T-1)
-    logp = token_logprobs(model, input_ids, attention_mask)                             # (B, T-1)
+    logp = token_logprobs(model, input_ids, attention_mask, prefix=prefix,             # (B, T-1)
+                          recompute=prefix is None)
     return -(logp * loss_mask).sum()
 
 
@@ -195,7 +199,11 @@ def main(argv=None):
         generator = torch.Generator().manual_seed(args.seed + epoch)
         order = torch.randperm(len(samples), generator=generator).tolist()
         batch = order[k * args.batch_size:(k + 1) * args.batch_size]
-        plan = plan_micro_batches([lengths[i] for i in batch], args.micro_batch_tokens, world_size)  # (4)
+        # conversations start with the same template tokens (the system prompt, when they share one):
+        # without activation checkpointing those run once for the step (logprobs.SharedPrefix) (6)
+        shared = shared_prefix_length([samples[i][0] for i in batch]) if not checkpointing else 0
+        run = [lengths[i] - shared for i in batch]  # the tokens each conversation runs
+        plan = plan_micro_batches(run, args.micro_batch_tokens, world_size)  # (4)
         n_loss_tokens = max(1, sum(n_assistant[i] for i in batch))  # the global denominator (5)
         n_tokens = sum(lengths[i] for i in batch)
         n_padded = sum(len(mb) * lengths[batch[mb[0]]] for rank_plan in plan for mb in rank_plan if mb)
@@ -204,15 +212,20 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         nll_sum_local = torch.zeros((), device=device)
+        prefix_ids = torch.tensor(samples[batch[0]][0][:shared], device=device)
+        prefix = SharedPrefix(model, prefix_ids) if shared else None
         for micro_batch in plan[rank]:
             if not micro_batch:
                 empty_pass(model, pad_id, device)
                 continue
-            nll_sum = assistant_nll_sum(model, [samples[batch[j]] for j in micro_batch], pad_id, device)
+            rows = [samples[batch[j]] for j in micro_batch]
+            nll_sum = assistant_nll_sum(model, rows, pad_id, device, prefix)
             nll_sum_local += nll_sum.detach()
             # FSDP averages gradients over ranks; times world_size undoes that, so the
             # gradient is exactly that of (sum of assistant-token losses) / n_loss_tokens (5).
             (nll_sum / n_loss_tokens * world_size).backward()
+        if prefix is not None:
+            prefix.backward()  # (the micro-batches' gradient on the shared prefix, through it once)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         grad_norm = grad_norm.full_tensor()  # (a DTensor under FSDP2)
         optimizer.step()
