@@ -62,7 +62,7 @@ def toy_recipe():
 
 
 # The real model's recipe, scaled down from the paper's (§4): each stage is the paper's, smaller.
-REAL = dict(steps=(10, 5, 5), max_response=(256, 384, 384), max_turns=(4, 4, 6), lr=2e-5,
+REAL = dict(steps=(12, 6, 6), max_response=(256, 384, 384), max_turns=(4, 4, 6), lr=5e-5,
             sft=["--max-steps", "16", "--batch-size", "16", "--lr", "1e-4", "--warmup-ratio", "0.1"])
 
 
@@ -164,7 +164,7 @@ for title, minutes in times:
 PANELS = [("kept_reward", "reward of the kept rollouts"), ("accuracy", "accuracy of all rollouts"),
           ("tool_error_ratio_pos", "tool-error ratio, correct rollouts"), ("tool_use", "tool-use rate")]
 fig, axes = plt.subplots(2, 2, figsize=(9, 6.5))
-axes, offset = axes.flatten(), 0
+axes, offset, during = axes.flatten(), 0, []
 for name, out_dir in curves:
     if os.path.exists(out_dir + "/metrics.jsonl"):
         with open(out_dir + "/metrics.jsonl") as f:
@@ -174,13 +174,17 @@ for name, out_dir in curves:
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("RL step")
         offset += len(rows) if args.real else 0  # (the real stages follow one another)
-        head, tail = rows[:5], rows[-5:]
-        mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
-        print(f"{name} during RL (mean of the first 5 steps -> the last 5): "
-              f"accuracy {mean(head, 'accuracy'):.2f} -> {mean(tail, 'accuracy'):.2f}, "
-              f"tool use {mean(head, 'tool_use'):.2f} -> {mean(tail, 'tool_use'):.2f}, "
-              f"tool-error ratio of correct rollouts {mean(head, 'tool_error_ratio_pos'):.3f} -> "
-              f"{mean(tail, 'tool_error_ratio_pos'):.3f}")
+        during.append((f"{name} during RL", rows))
+if args.real and len(during) > 1:  # the recipe as a whole: stage 1's start -> the last stage's end
+    during.append(("the three stages", [r for _, rows in during for r in rows]))
+for name, rows in during:
+    head, tail = rows[:5], rows[-5:]
+    mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+    print(f"{name} (mean of the first 5 steps -> the last 5): "
+          f"accuracy {mean(head, 'accuracy'):.2f} -> {mean(tail, 'accuracy'):.2f}, "
+          f"tool use {mean(head, 'tool_use'):.2f} -> {mean(tail, 'tool_use'):.2f}, "
+          f"tool-error ratio of correct rollouts {mean(head, 'tool_error_ratio_pos'):.3f} -> "
+          f"{mean(tail, 'tool_error_ratio_pos'):.3f}")
 axes[0].legend()
 fig.suptitle("SmolLM2-135M-Instruct, three RL stages" if args.real else "The toy world, per RL step",
              fontsize=11)

@@ -18,8 +18,25 @@ Every row carries the 1-minute load average (this process's own threads included
 process's CPU time over its wall time: on a shared machine the figures move with both.
 The last line: `real model: generation <x> tokens/s at batch <b> (<y> at batch 1), training <z> tokens/s
 (1 thread), <w> (2 threads), peak RSS <r> GB`.
+
+3. --rl-step (instead of 1 and 2): one RL step of train.py's work (16 x 8 rollouts, GRPO-RoC to
+   G = 4, one optimizer step, the weight sync) the way train.py ran it before and the way it runs
+   now, in one process on one engine, phase by phase, each phase of both ways run back to back so
+   that both see about the same load on a shared machine:
+     rollouts  rollout_scheduled through the sandbox. Before: a seed per turn (vLLM then samples
+               request by request); now: one engine seed (RolloutConfig.deterministic).
+     update    one AdamW step on the kept trajectories of the first way's rollouts (train.py's
+               down-sampling; the same work and the same starting weights for both). Before: FSDP2
+               over one rank, the whole prompts run, --before-micro-batch-tokens (train.py's
+               default), each chunk's head recomputed in the backward; now: as train.py runs on CPUs
+               (the prompts' shared prefix run once, logprobs.SharedPrefix; --micro-batch-tokens
+               2048; the head's logits kept).
+     sync      the new weights into the engine (engine.sync_weights).
+   Each phase: wall and process CPU seconds. The last line: `rl step speedup: <x>` (wall).
 """
 import argparse
+import contextlib
+import copy
 import json
 import operator
 import os
@@ -27,17 +44,20 @@ import random
 import resource
 import sys
 import time
+from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
+
+SET_THREADS = torch.set_num_threads  # (vLLM's CPU worker replaces torch.set_num_threads with a no-op)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conversation import prompt_ids, render_messages  # noqa: E402
 from engine import CPU_BLOCK, kv_capacity_tokens, make_engine  # noqa: E402
-from logprobs import token_logprobs  # noqa: E402
+from logprobs import SharedPrefix, shared_prefix_length, token_logprobs  # noqa: E402
 from training import plan_micro_batches, right_pad  # noqa: E402
 
 parser = argparse.ArgumentParser(description="Training and generation throughput of a real model on a CPU.")
@@ -60,6 +80,18 @@ parser.add_argument("--train-steps", type=int, default=3, help="timed training s
 parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (the value does not matter)")
 parser.add_argument("--skip", choices=["train", "generate"], default=None, help="leave one part out")
 parser.add_argument("--seed", type=int, default=0, help="data, sampling and initial-state seed")
+rl = parser.add_argument_group("--rl-step: one RL step, before and now")
+rl.add_argument("--rl-step", action="store_true", help="time one RL step both ways (3), then exit")
+rl.add_argument("--problems", type=int, default=16, help="problems per step")
+rl.add_argument("--rollouts", type=int, default=8, help="rollouts per problem (2G)")
+rl.add_argument("--group-size", type=int, default=4, help="G, rollouts kept per problem")
+rl.add_argument("--max-response", type=int, default=256, help="response budget in tokens")
+rl.add_argument("--max-turns", type=int, default=4, help="assistant turns per rollout")
+rl.add_argument("--kv-cache-tokens", type=int, default=32768, help="the engine's KV cache")
+rl.add_argument("--before-micro-batch-tokens", type=int, default=8192,
+                help="the update's micro-batch budget before (train.py's default)")
+rl.add_argument("--fast-threads", type=int, default=0,
+                help="torch threads of the phases now (0: the process's, as before)")
 args = parser.parse_args()
 
 rng = random.Random(args.seed)
@@ -93,6 +125,165 @@ def read_jsonl(path):
 def load():
     return os.getloadavg()[0]
 
+
+# -----------------------------------------------------------------------------
+# One RL step (3), before and now.
+
+
+class Clock:
+    """Wall and CPU seconds of one way's phases, added up by name."""
+
+    def __init__(self):
+        self.wall, self.cpu = defaultdict(float), defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        yield
+        self.wall[name] += time.perf_counter() - t0
+        self.cpu[name] += time.process_time() - cpu0
+
+
+def step_problems():
+    """train.py's first step on --data (its seeded epoch order), or toy problems made here."""
+    if not args.data:
+        return [toy_problem() for _ in range(args.problems)]
+    from batch import ProblemStream
+    from rollout import read_problems
+    return ProblemStream(read_problems(args.data), args.seed).take(0, args.problems)
+
+
+def keep(trajs):
+    """train.py's GRPO-RoC down-sampling to G per problem, with the group advantages; a group it drops
+    (all correct or all wrong) keeps its first G, advantage 0 (the same work, no gradient), so that an
+    untrained model's step still times an update."""
+    from grpo_roc import group_advantages, resample_on_correct
+    groups = defaultdict(list)
+    for t in trajs:
+        groups[t.index].append(t)
+    down_rng, kept, advantages = random.Random(args.seed), [], []
+    for index in sorted(groups):
+        group, _ = resample_on_correct(groups[index], args.group_size, down_rng)
+        group = group or groups[index][:args.group_size]
+        kept += group
+        advantages += group_advantages([t.reward for t in group]).tolist() if group else []
+    return kept, advantages
+
+
+def update(model, optimizer, kept, advantages, pad_id, now, clock):
+    """One optimizer step of train.py's policy loss on `kept` (one rank, one mini-batch). Returns the
+    tokens the forward ran (padding included)."""
+    from grpo_roc import policy_loss
+    from training import trajectory_tensors
+    n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))
+    shared = shared_prefix_length([t.prompt_ids for t in kept]) if now else 0
+    lengths = [t.prompt_length + t.response_length - shared for t in kept]
+    budget = args.micro_batch_tokens if now else args.before_micro_batch_tokens
+    prefix, tokens_run = None, shared
+    if shared:
+        with clock.phase("forward"):
+            prefix = SharedPrefix(model, torch.as_tensor(kept[0].prompt_ids[:shared]))
+    for micro_batch in plan_micro_batches(lengths, budget, 1)[0]:
+        input_ids, attention_mask, loss_mask, _ = trajectory_tensors([kept[i] for i in micro_batch], pad_id,
+                                                                     torch.device("cpu"))
+        adv = torch.tensor([advantages[i] for i in micro_batch])                               # (B,)
+        tokens_run += input_ids.numel() - len(micro_batch) * shared
+        with clock.phase("forward"):
+            logp = token_logprobs(model, input_ids, attention_mask, args.temperature, prefix=prefix,
+                                  recompute=not now)                                          # (B, T-1)
+            loss, _ = policy_loss(logp, logp.detach(), adv, loss_mask, n_loss_tokens)
+        with clock.phase("backward"):
+            loss.backward()
+    with clock.phase("backward"):
+        if prefix is not None:
+            prefix.backward()
+    with clock.phase("optimizer"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return tokens_run
+
+
+def rl_step():
+    """(3): both ways' phases, back to back; the table, then `rl step speedup: x`."""
+    from batch import ProblemQueue
+    from engine import full_weights, model_eos_ids, sync_weights
+    from rollout import RolloutConfig
+    from sandbox import Sandbox
+    from scheduler import rollout_scheduled
+    from training import init_distributed, load_sharded_model
+    problems = step_problems()
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    init_distributed()  # a group of one, as train.py makes it, for FSDP2
+    max_len = max(len(prompt_ids(tok, p["question"])) for p in problems) + args.max_response
+    llm = make_engine(args.model, max_model_len=max_len, seed=args.seed, kv_cache_tokens=args.kv_cache_tokens)
+    model = load_sharded_model(args.model, torch.device("cpu")).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    ways = {"before": False, "now": True}
+    clocks = {name: Clock() for name in ways}
+    threads = {"before": torch.get_num_threads(), "now": args.fast_threads or torch.get_num_threads()}
+    sync_weights(llm, full_weights(model, torch.float32))  # untimed: the first sync
+    print(f"rl step: {len(problems)} problems x {args.rollouts} rollouts, G = {args.group_size}, up to "
+          f"{args.max_response} tokens and {args.max_turns} turns; torch threads before {threads['before']}, "
+          f"now {threads['now']}")
+
+    sandbox, batches, generated = Sandbox(timeout=5.0), {}, {}
+    for name, now in ways.items():  # the same problems and weights, each way's sampling seeds
+        cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
+                            temperature=args.temperature, seed=args.seed, deterministic=not now,
+                            eos_ids=model_eos_ids(args.model))
+        SET_THREADS(threads[name])
+        llm.reset_prefix_cache()  # (each way pays for its own prefill of the system prompt)
+        with clocks[name].phase("rollout"):
+            batches[name], stats = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.rollouts,
+                                                     cfg, ProblemQueue())
+        generated[name] = sum(t.num_loss_tokens for t in batches[name])
+    sandbox.close()
+
+    # the update: both ways on the first way's kept trajectories, from the same weights and AdamW state
+    kept, advantages = keep(batches["before"])
+    for param in model.parameters():  # AdamW's state, untimed (a zero gradient at lr 0 allocates it)
+        param.grad = torch.zeros_like(param)
+    optimizer.param_groups[0]["lr"] = 0.0
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.param_groups[0]["lr"] = args.lr
+    start = [param.detach().clone() for param in model.parameters()]
+    optimizer_start = copy.deepcopy(optimizer.state_dict())
+    tokens_run = {}
+    for name, now in ways.items():
+        with torch.no_grad():
+            for param, value in zip(model.parameters(), start):
+                param.copy_(value)
+        optimizer.load_state_dict(optimizer_start)
+        SET_THREADS(threads[name])
+        with clocks[name].phase("update"):
+            tokens_run[name] = update(model, optimizer, kept, advantages, pad_id, now, clocks[name])
+        with clocks[name].phase("sync"):
+            sync_weights(llm, full_weights(model, torch.float32))
+
+    print(f"kept {len(kept)} of {len(batches['before'])} trajectories, "
+          f"{sum(t.prompt_length for t in kept)} prompt + {sum(t.response_length for t in kept)} response "
+          f"tokens; the forward ran {tokens_run['before']} tokens before, {tokens_run['now']} now (padding "
+          f"included; the shared prefix of {shared_prefix_length([t.prompt_ids for t in kept])} once)")
+    print(f"sampled tokens: before {generated['before']}, now {generated['now']}")
+    print(f"{'phase':>11}  {'before s':>8}  {'cpu s':>7}  {'now s':>8}  {'cpu s':>7}  {'ratio':>6}")
+    for phase in ["rollout", "update", "forward", "backward", "optimizer", "sync"]:
+        before, now = clocks["before"], clocks["now"]
+        indent = "  " if phase in ("forward", "backward", "optimizer") else ""
+        print(f"{indent + phase:>11}  {before.wall[phase]:8.1f}  {before.cpu[phase]:7.1f}  "
+              f"{now.wall[phase]:8.1f}  {now.cpu[phase]:7.1f}  "
+              f"{before.wall[phase] / max(now.wall[phase], 1e-9):6.2f}")
+    wall = {name: sum(c.wall[p] for p in ("rollout", "update", "sync")) for name, c in clocks.items()}
+    cpu = {name: sum(c.cpu[p] for p in ("rollout", "update", "sync")) for name, c in clocks.items()}
+    print(f"{'step':>11}  {wall['before']:8.1f}  {cpu['before']:7.1f}  {wall['now']:8.1f}  "
+          f"{cpu['now']:7.1f}  {wall['before'] / wall['now']:6.2f}   (load {load():.1f})")
+    print(f"rl step speedup: {wall['before'] / wall['now']:.2f}")
+
+
+if args.rl_step:
+    rl_step()
+    sys.exit(0)
 
 # -----------------------------------------------------------------------------
 # Training (1): fp32 HF model, AdamW, micro-batches of rendered conversations.
