@@ -3,40 +3,33 @@
 What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
 
 1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5 without a call (to
-   encourage tool use); failures are the trajectory's structured `tool_failures` (error, timeout,
-   oom, parse), where the official code looks for "error" in each <tool_response> (missing plain
-   timeouts, flagging programs that print the word). p_format = 1 without an <answer>, else
-   min(1, (#answers - 1) / #turns), #turns counting every assistant turn (the official code misses
-   the first, so one-turn answers always get 1).
+   encourage tool use), from the structured `tool_failures` (error, timeout, oom, parse; the official
+   code searches each <tool_response> for "error"). p_format = 1 without an <answer>, else
+   min(1, (#answers - 1) / #turns), counting every assistant turn (the official code misses the first).
 2. Groups whose rewards are all equal are dropped: zero advantages, no gradient. No refill.
 3. Negatives: floor(|neg| / 2) kept uniformly at random, as in the paper, but at least one (the
-   paper's floor keeps none of a single negative: an all-correct group, wasted). The official code
+   paper's floor keeps none of a single negative: a wasted all-correct group). The official code
    keeps the first k in rollout order, at least 2.
-4. Positives fill the rest of G, drawn one at a time without replacement with probability
-   proportional to 1 / (p_total + 1e-3), as in the paper (the official code takes the lowest
-   p_total first); at least one survives. If positives run short, negatives fill G; a group of at
-   most G rollouts is kept whole, and flagged `short_group` when it has fewer than G.
-5. `downsample_uniform`, the plain "GRPO with tool" ablation at equal compute: the same drop (2),
-   then G of the 2G uniformly (a subset that happens to be all-equal is kept, as GRPO would).
-6. Advantage: (r - mean) / (std + 1e-6) over the kept G, the unbiased std (torch.std, as verl); a
-   group of one gets 0. It applies to every token of the rollout.
-7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level: the sum over
-   masked-in tokens / `n_loss_tokens`, the token count of the whole step (all micro-batches and
-   ranks), so any split gives the gradient of one big batch (DAPO). No KL, no entropy bonus, no
-   dual clip. With one optimizer step per RL step (the paper's) the ratio is 1 and the clip never
-   acts; it does from the second step of train.py --mini-batches K > 1.
+4. Positives fill the rest of G, drawn without replacement with probability proportional to
+   1 / (p_total + 1e-3), as in the paper (the official code takes the lowest p_total first). If
+   positives run short, negatives fill G; a group of at most G is kept whole (`short_group` if < G).
+5. `downsample_uniform`, the "GRPO with tool" ablation at equal compute: (2), then G of the 2G
+   uniformly (an all-equal subset is kept, as GRPO would).
+6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
+7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level: the sum over masked-in
+   tokens / `n_loss_tokens`, the step's token count over all micro-batches and ranks, so any split
+   gives one big batch's gradient (DAPO). No KL, no entropy bonus, no dual clip. With one optimizer
+   step per RL step (the paper's) the ratio is 1 and the clip never acts; it does with --mini-batches.
 8. Loss metrics are normalised by `n_loss_tokens` too, so they add up to step-level means.
-9. Sandbox failures (always on): a rollout with `sandbox_failed` (a worker died mid-call, a check
-   did not complete) has no outcome: it leaves before anything reads its reward. Its group leaves
-   too when fewer than G would remain (judged on less evidence than the others); otherwise only it
-   does (dropping every touched group would lose a quarter of the groups of 32 at 1% failures).
-10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended
-   with neither a tool call nor an answer leaves, before (2): G is filled from the others.
-11. Sampler/trainer mismatch (off by default), per loss token r = p_trainer / p_sampler, p_trainer
-   the policy before the step: "tis" weighs by min(r, C); "mask" (IcePop) drops tokens with r
-   outside [1/C, C] and weighs the others by r; "seq-mask" (verl's geometric rejection) drops a
-   rollout whose geometric-mean r is outside [1/C, C] (C ~ 1.001). Dropped tokens still count in
-   n_loss_tokens, as in IcePop (verl's leaves them out): the others' terms are not scaled up.
+9. Sandbox failures (always on): a rollout with `sandbox_failed` has no outcome and leaves before
+   anything reads its reward; its group leaves too when fewer than G would remain (judged on less
+   evidence than the others; dropping every touched group would lose a quarter of groups of 32 at 1%).
+10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended with
+   neither a tool call nor an answer leaves before (2).
+11. Sampler/trainer mismatch (off by default), per loss token r = p_trainer / p_sampler: "tis" weighs
+   by min(r, C); "mask" (IcePop) drops tokens with r outside [1/C, C] and weighs the others by r;
+   "seq-mask" drops a rollout whose geometric-mean r is outside [1/C, C]. Dropped tokens still count
+   in n_loss_tokens, as in IcePop: the others' terms are not scaled up.
 
 A down-sampler (DOWNSAMPLERS) is fn(group, group_size, rng, **settings) -> (kept in the group's order,
 stats: ints to sum over groups). A rollout is positive when its reward is > 0.
@@ -69,18 +62,13 @@ def format_penalty(traj: Trajectory) -> float:
     return min(1.0, (traj.num_answers - 1) / max(traj.num_turns, 1))
 
 
-def total_penalty(traj: Trajectory) -> float:
-    """p_total = p_err + p_format, in [0, 2]."""
-    return tool_error_penalty(traj) + format_penalty(traj)
-
-
 def roc_weight(traj: Trajectory) -> float:
-    """(4) A positive's weight in RoC's draw: 1 / (p_total + eps)."""
-    return 1.0 / (total_penalty(traj) + PENALTY_EPS)
+    """(4) A positive's weight in RoC's draw: 1 / (p_total + eps), p_total = p_err + p_format."""
+    return 1.0 / (tool_error_penalty(traj) + format_penalty(traj) + PENALTY_EPS)
 
 
 # -----------------------------------------------------------------------------
-# (9)-(10) rollouts that leave the pool before down-sampling
+# (2)-(5), (9)-(10): the rollouts that leave a problem's pool, then down-sampling 2G of them to G
 
 def drop_sandbox_failures(group: list[Trajectory], group_size: int):
     """(9) The group without its sandbox-failed rollouts, or [] when fewer than G would remain
@@ -98,13 +86,9 @@ def filter_void_turns(group: list[Trajectory]):
     return kept, len(group) - len(kept)
 
 
-# -----------------------------------------------------------------------------
-# (2)-(5) down-sampling 2G rollouts of one problem to G
-
 def _stats(dropped=0, short=0, kept=()):
     n_pos = sum(1 for t in kept if t.reward > 0)
-    return {"dropped_all_equal": dropped, "short_group": short,
-            "n_pos": n_pos, "n_neg": len(kept) - n_pos}
+    return {"dropped_all_equal": dropped, "short_group": short, "n_pos": n_pos, "n_neg": len(kept) - n_pos}
 
 
 def _weighted_sample(items, weights, k, rng):
@@ -118,8 +102,7 @@ def _weighted_sample(items, weights, k, rng):
 
 
 def _prefilter(group, group_size):
-    """(2) and the short-group rule, shared by both down-samplers.
-    Returns (kept, stats) when the decision is already made, else None."""
+    """(2) and the short-group rule of (4), for both down-samplers: (kept, stats) if decided, else None."""
     if not group:
         return [], _stats()                                # emptied by (9) or (10): not all-equal
     if len({t.reward for t in group}) <= 1:
@@ -153,8 +136,7 @@ def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Ra
     return kept, _stats(kept=kept)
 
 
-def downsample_uniform(group: list[Trajectory], group_size: int,
-                       rng: random.Random, **settings):
+def downsample_uniform(group: list[Trajectory], group_size: int, rng: random.Random, **settings):
     """(5) The no-RoC ablation: same all-equal drop, then G uniformly."""
     decided = _prefilter(group, group_size)
     if decided is not None:
@@ -167,7 +149,7 @@ DOWNSAMPLERS = {"roc": resample_on_correct, "uniform": downsample_uniform}
 
 
 # -----------------------------------------------------------------------------
-# (6) group advantages
+# (6)-(8) group advantages and the clipped token-level policy loss
 
 def group_advantages(rewards) -> torch.Tensor:
     """(r - mean) / (std + 1e-6) over one kept group, unbiased std; (G,)."""
@@ -176,18 +158,13 @@ def group_advantages(rewards) -> torch.Tensor:
         return torch.zeros_like(r)                  # (6) a group of one: nothing to compare
     return (r - r.mean()) / (r.std(unbiased=True) + ADV_EPS)  # (G,)
 
-
-# -----------------------------------------------------------------------------
-# (7)-(8) the clipped token-level policy loss
-
 def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
                 eps_low=0.2, eps_high=0.28, token_weights=None):
-    """(7) PPO-clip with Clip-Higher, summed over masked-in tokens / n_loss_tokens. logp (B, T) carries
-    the gradient, old_logp (B, T) is the policy before the step, advantages (B,) apply to every token,
+    """(7) PPO-clip with Clip-Higher, summed over masked-in tokens / n_loss_tokens. logp (B, T) carries the
+    gradient, old_logp (B, T) is the policy before the step, advantages (B,) apply to every token,
     loss_mask (B, T) is 1 on sampled tokens, token_weights (B, T) (optional: (11)) scale each term.
-    Returns (loss, metrics), each metric a masked sum / n_loss_tokens (8): clip_frac_low (A < 0, ratio
-    < 1 - eps_low), clip_frac_high (A > 0, ratio > 1 + eps_high), ratio_mean, approx_kl (k3 estimate
-    of KL(old || new))."""
+    Returns (loss, metrics), each a masked sum / n_loss_tokens (8): clip_frac_low (A < 0, ratio < 1 -
+    eps_low), clip_frac_high (A > 0, ratio > 1 + eps_high), ratio_mean, approx_kl (k3 of KL(old||new))."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
     # zero the log-ratio off the mask so padding can never make inf * 0 = nan
