@@ -1,0 +1,226 @@
+"""GSM8K for the real recipe: RL problems, a held-out slice and tool-using SFT conversations, disjoint.
+
+    python data/prepare_gsm8k.py                                  # openai/gsm8k (main), train split
+    python data/prepare_gsm8k.py --local gsm8k=../shared/data/gsm8k/train.jsonl --out data/gsm8k
+
+GSM8K's worked solutions carry calculator annotations: "Natalia sold 48/2 = <<48/2=24>>24 clips in
+May." ends in "#### 72". What it writes into --out, deterministically from --seed:
+1. test.jsonl: --n-test held-out problems {"question", "answer"}; never trained on.
+2. sft.jsonl: --n-sft conversations {"messages"} in the rollout's format, each built from a solution:
+   - the reasoning in words: the solution's sentences, the annotations taken out;
+   - a tool call whose code computes the chain: each annotation becomes a named quantity
+     (`clips_in_may = 48 / 2`, the name from the words after it), an earlier result used again is
+     used by its name, and the last one is printed;
+   - the tool's output as the sandbox prints it (the code is run here; nothing is invented);
+   - the answer in \\boxed{}: the solution's own final answer.
+   A share (--error-share) first makes a call that fails (an unclosed parenthesis, or a name that
+   was never defined) and fixes it in the next turn, as the toy SFT data does: RoC then has clean
+   and unclean positives to choose between. A solution whose annotations do not compute its final
+   answer (about 6%: an unannotated last step) is left out and counted.
+3. train.jsonl: the remaining problems with an integer answer, for RL.
+The three sets are disjoint by construction (one shuffled list, cut in three). Unlike the paper's SFT,
+this one carries reasoning: a 135M model has none of its own to call a tool from (docs/paper_differences.md).
+"""
+import argparse
+import ast
+import json
+import keyword
+import os
+import random
+import re
+import sys
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conversation import format_tool_response  # noqa: E402
+from grading import as_number  # noqa: E402
+
+HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
+ANNOTATION = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+NAME_WORD = re.compile(r"[A-Za-z]+")
+LEADING = {"a", "an", "the", "of", "in", "on", "at", "to", "is", "are", "and", "so", "for"}  # not a name
+SAY_RESULT = "The code printed {out}.</reason>"
+SAY_FIX = "The code failed, so I will fix it.</reason>"
+
+
+class Skip(Exception):
+    """A solution that cannot be turned into a conversation; the message is the counted reason."""
+
+
+# -----------------------------------------------------------------------------
+# A solution -> the reasoning in words, the steps of the chain, the final answer
+
+def parse_solution(answer: str) -> tuple[str, list[tuple[str, str, str]], str]:
+    """(reasoning, [(name, expression, result as annotated)], final answer) of a GSM8K answer field."""
+    body, sep, final = answer.rpartition("####")
+    if not sep:
+        raise Skip("no #### final answer")
+    steps, used = [], set()
+    for match in ANNOTATION.finditer(body):
+        expression, result = match.group(1).strip(), match.group(2).strip()
+        after = body[match.end():].split("\n")[0]
+        steps.append((quantity_name(after, result, used, len(steps) + 1), expression, result))
+    reasoning = "\n".join(line.strip() for line in ANNOTATION.sub("", body).strip().split("\n"))
+    return reasoning, steps, final.strip().replace(",", "")
+
+
+def quantity_name(after: str, result: str, used: set, k: int) -> str:
+    """A Python name for a result from the words that follow it ("24 clips in May." -> clips_in_may),
+    unique in the solution; step{k} when the words give none."""
+    text = after[len(result):] if after.startswith(result) else after
+    words = []
+    for token in text.split():
+        word = token.strip(",.;:!?()$%'\"")
+        if not NAME_WORD.fullmatch(word) or len(words) == 3:
+            break
+        if words or word.lower() not in LEADING:
+            words.append(word.lower())
+    name = "_".join(words) or f"step{k}"
+    if keyword.iskeyword(name) or not name.isidentifier():
+        name = f"step{k}"
+    base, n = name, 2
+    while name in used:
+        name, n = f"{base}_{n}", n + 1
+    used.add(name)
+    return name
+
+
+def chain_code(steps: list[tuple[str, str, str]]) -> str:
+    """The code of the chain: `name = expression` per step, an earlier result by its name, the last printed."""
+    if not steps:
+        raise Skip("no calculator annotation")
+    lines, known = [], []  # known: (value, name) of the results so far, newest last
+    for name, expression, result in steps:
+        try:
+            tree = ast.parse(expression, mode="eval")
+        except SyntaxError:
+            raise Skip("an annotation that is not Python") from None
+        if any(not isinstance(node, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.operator,
+                                     ast.unaryop)) for node in ast.walk(tree)):
+            raise Skip("an annotation that is not arithmetic")
+        lines.append(f"{name} = {ast.unparse(by_name(tree.body, known))}")
+        value = as_number(result)
+        if value is not None:
+            known.append((value, name))
+    return "\n".join(lines + [f"print({steps[-1][0]})"])
+
+
+def by_name(node: ast.AST, known: list) -> ast.AST:
+    """The expression with each number that an earlier step computed replaced by that step's name."""
+    class Rename(ast.NodeTransformer):
+        def visit_Constant(self, constant):
+            for value, name in reversed(known):
+                if isinstance(constant.value, (int, float)) and constant.value == value:
+                    return ast.Name(id=name, ctx=ast.Load())
+            return constant
+    return Rename().visit(node)
+
+
+def broken_code(code: str, rng: random.Random) -> str:
+    """A first call that fails: the print's parenthesis never closed, or a name never defined."""
+    head, _, last = code.rpartition("\n")
+    return f"{head}\n{last[:-1]}" if rng.random() < 0.5 else f"{head}\nprint(result)"
+
+
+def conversation(question: str, reasoning: str, calls: list[str], results: list, answer: str) -> list[dict]:
+    """The messages: the reasoning and the first call, each call's output as a tool turn (a fixed call
+    after a failing one), then what the code printed and the answer."""
+    msgs = [{"role": "user", "content": question}]
+    for i, (code, result) in enumerate(zip(calls, results)):
+        say = reasoning + "</reason>" if i == 0 else SAY_FIX
+        msgs.append({"role": "assistant", "content": say, "tool_call": {"code": code, "input": ""}})
+        msgs.append({"role": "tool", "content": format_tool_response(result)})
+    out = msgs[-1]["content"]
+    msgs.append({"role": "assistant", "content": SAY_RESULT.format(out=out) + f"<answer>\\boxed{{{answer}}}</answer>"})
+    return msgs
+
+
+def integer(text: str) -> str | None:
+    value = as_number(text)
+    return str(value) if isinstance(value, int) else None
+
+
+# -----------------------------------------------------------------------------
+# The script: read, split, convert (every call run in the sandbox), write
+
+def read_rows(local: str | None) -> list[dict]:
+    from datasets import load_dataset  # (here: the conversion above is tested without it)
+    if local:  # a copy of the hub set on disk, read through the same call
+        kind = "parquet" if local.endswith(".parquet") else "json"
+        return list(load_dataset(kind, data_files=local, split="train"))
+    try:
+        return list(load_dataset(HUB_ID, HUB_CONFIG, split="train"))
+    except Exception as e:  # noqa: BLE001 (any failure to reach or read the hub ends here)
+        sys.exit(f"could not read {HUB_ID} ({HUB_CONFIG}): {type(e).__name__}: {e}\n---> HINT: without network, "
+                 f"read a copy on disk with --local gsm8k=FILE (a JSONL or parquet file with the columns "
+                 f"question and answer), or set HF_DATASETS_OFFLINE=1 to read what an earlier run cached")
+
+
+def main():
+    parser = argparse.ArgumentParser(description="GSM8K -> RL problems, held-out problems, SFT conversations.")
+    parser.add_argument("--out", default="data/gsm8k", help="output folder")
+    parser.add_argument("--local", default=None, metavar="gsm8k=PATH",
+                        help="read GSM8K's train split from a JSONL or parquet file instead of the hub")
+    parser.add_argument("--seed", type=int, default=0, help="the shuffle and the failing calls")
+    parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
+    parser.add_argument("--n-sft", type=int, default=2000, help="problems whose solutions become SFT conversations")
+    parser.add_argument("--error-share", type=float, default=0.25, help="share of SFT conversations whose "
+                        "first call fails and is fixed")
+    args = parser.parse_args()
+    name, _, local = (args.local or "gsm8k=").partition("=")
+    if name != "gsm8k" or (args.local and not local):
+        parser.error(f"--local takes gsm8k=PATH, not {args.local}")
+
+    rows = read_rows(local or None)
+    order = list(range(len(rows)))
+    random.Random(args.seed).shuffle(order)
+    test_ids, sft_ids = order[:args.n_test], order[args.n_test:args.n_test + args.n_sft]
+    train_ids = order[args.n_test + args.n_sft:]
+    counts, rng = Counter(), random.Random(args.seed + 1)
+
+    plans = []  # (row, reasoning, calls, final answer)
+    for i in sft_ids:
+        try:
+            reasoning, steps, final = parse_solution(rows[i]["answer"])
+            code = chain_code(steps)
+        except Skip as e:
+            counts[str(e)] += 1
+            continue
+        calls = [broken_code(code, rng), code] if rng.random() < args.error_share else [code]
+        plans.append((rows[i], reasoning, calls, final))
+
+    from sandbox import Sandbox  # every call runs, so the model sees exactly what it will see in RL
+    codes = sorted({c for *_, calls, _ in plans for c in calls})
+    with Sandbox() as sandbox:
+        results = dict(zip(codes, sandbox.run_batch(codes)))
+    conversations = []
+    for row, reasoning, calls, final in plans:
+        last = results[calls[-1]]
+        printed = as_number(last.stdout.strip()) if last.status == "ok" else None
+        if printed is None or as_number(final) is None or abs(printed - as_number(final)) > 1e-6:
+            counts["the chain does not compute the final answer"] += 1
+            continue
+        if len(calls) > 1 and results[calls[0]].status != "error":
+            sys.exit(f"a call meant to fail ran: {calls[0]!r}\n---> HINT: broken_code must make code that fails")
+        msgs = conversation(row["question"], reasoning, calls, [results[c] for c in calls], final)
+        conversations.append({"messages": msgs})
+
+    def problems(ids):
+        kept = [{"question": rows[i]["question"], "answer": integer(rows[i]["answer"].rpartition("####")[2])}
+                for i in ids]
+        return [p for p in kept if p["answer"] is not None]
+
+    os.makedirs(args.out, exist_ok=True)
+    for file, items in (("test.jsonl", problems(test_ids)), ("train.jsonl", problems(train_ids)),
+                        ("sft.jsonl", conversations)):
+        with open(os.path.join(args.out, file), "w") as f:
+            f.writelines(json.dumps(item) + "\n" for item in items)
+        print(f"{os.path.join(args.out, file)}: {len(items)}")
+    n_fixed = sum(len(c["messages"]) > 4 for c in conversations)
+    print(f"SFT: {len(conversations)} of {len(sft_ids)} solutions converted, {n_fixed} with a failing first call; "
+          f"left out: {dict(counts) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
