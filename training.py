@@ -5,7 +5,8 @@
 2. The model: rank 0 reads the checkpoint, the others build it on the meta device; FSDP2 shards each
    decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs.
 3. Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
-   share cut by a token budget, as many passes on every rank (FSDP's collectives need them all).
+   share cut by a token budget (rows x the longest, or with packing the tokens alone), as many passes
+   on every rank (FSDP's collectives need them all).
    (The token log-probs both losses use are logprobs.py's.)
 4. The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
 5. Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
@@ -118,9 +119,12 @@ def load_sharded_model(path: str, device, activation_checkpointing: bool = False
 # (3) Micro-batches
 
 
-def plan_micro_batches(lengths: list[int], budget: int, world_size: int) -> list[list[list[int]]]:
-    """Per rank, its micro-batches as lists of indices into `lengths`: rows x longest row <= budget (a
-    longer sequence goes alone); all ranks get as many (empty ones at the end: see empty_pass)."""
+def plan_micro_batches(lengths: list[int], budget: int, world_size: int,
+                       packed: bool = False) -> list[list[list[int]]]:
+    """Per rank, its micro-batches as lists of indices into `lengths`: rows x longest row <= budget, or
+    with `packed` (rows run back to back, logprobs.token_logprobs(packed=True)) their tokens <= budget,
+    each sequence in the first micro-batch with room; a longer sequence goes alone. All ranks get as
+    many (empty ones at the end: see empty_pass)."""
     shares, load = [[] for _ in range(world_size)], [0] * world_size
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # longest first, to the lightest rank
         lightest = load.index(min(load))
@@ -128,12 +132,19 @@ def plan_micro_batches(lengths: list[int], budget: int, world_size: int) -> list
         load[lightest] += lengths[i]
     plans = []
     for share in shares:  # each share is longest first: a micro-batch's first row is its longest
-        batches = []
+        batches, tokens = [], []
         for i in share:
-            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
-                batches[-1].append(i)
+            if packed:  # (first fit, longest first: a few percent above the fewest micro-batches at most)
+                room = [j for j, n in enumerate(tokens) if n + lengths[i] <= budget][:1]
+            else:  # rows padded to the first (longest) row: only the last micro-batch may take more
+                fits = batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget
+                room = [len(batches) - 1] if fits else []
+            if room:
+                batches[room[0]].append(i)
+                tokens[room[0]] += lengths[i]
             else:
                 batches.append([i])
+                tokens.append(lengths[i])
         plans.append(batches)
     passes = max(len(batches) for batches in plans)
     return [batches + [[] for _ in range(passes - len(batches))] for batches in plans]

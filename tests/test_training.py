@@ -94,6 +94,45 @@ def test_a_shared_prefix_run_once_gives_the_log_probs_and_gradients_of_whole_row
             assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-7, "gradients differ"
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_packed_rows_give_the_loss_and_gradients_of_padded_rows(shared_prefix, attention):
+    """The policy loss of trajectory-shaped rows (different lengths, a masked tool span, advantages of
+    both signs), padded as before and packed back to back, on a 2-layer fp32 model: the same log-probs,
+    loss and gradients within float tolerance, with the prompts' shared prefix run once or not. A
+    sequence that attended to the one before it, or whose positions ran on, would change them all."""
+    from grpo_roc import policy_loss
+    model = random_model(tie=True, layers=2)
+    model.config._attn_implementation = attention
+    torch.manual_seed(2)
+    shared = torch.randint(0, 8192, (9,)).tolist()
+    rows = [shared + torch.randint(0, 8192, (n,)).tolist() for n in (12, 3, 7, 1, 20)]
+    input_ids = right_pad(rows, 0)                                                      # (B, T)
+    attention_mask = right_pad([[1] * len(row) for row in rows], 0)                     # (B, T)
+    loss_mask = attention_mask[:, 1:].clone()                                           # (B, T-1)
+    loss_mask[:, :8] = 0  # the prompt
+    loss_mask[4, 12:16] = 0  # a tool turn inside the longest response
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3])                              # (B,)
+    old = token_logprobs(model, input_ids, attention_mask, 0.7).detach() - 0.1 * loss_mask  # (B, T-1)
+
+    def run(packed):
+        model.zero_grad()
+        prefix = SharedPrefix(model, torch.tensor(shared)) if shared_prefix else None
+        logp = token_logprobs(model, input_ids, attention_mask, 0.7, 5, prefix, packed=packed)  # (B, T-1)
+        loss, _ = policy_loss(logp, old, advantages, loss_mask, int(loss_mask.sum()))
+        loss.backward()
+        if prefix is not None:
+            prefix.backward()
+        return logp.detach() * loss_mask, loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (want, want_loss, want_grads), (got, got_loss, got_grads) = run(packed=False), run(packed=True)
+    assert got.shape == want.shape, "packed log-probs must come back in the padded layout"
+    assert torch.allclose(got, want, atol=1e-5), f"packed log-probs differ by {(got - want).abs().max()}"
+    assert torch.allclose(got_loss, want_loss, atol=1e-6), f"packed loss {got_loss} != padded {want_loss}"
+    for a, b in zip(got_grads, want_grads):  # fp32 sums in another order: ~1e-6 of the largest entry
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-7, "packed gradients differ from padded ones"
+
+
 def test_a_shared_prefix_is_refused_where_the_model_would_drop_its_cache():
     """transformers drops past_key_values under gradient checkpointing: the prefix would silently vanish."""
     model = random_model()
