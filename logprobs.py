@@ -37,7 +37,8 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     hold 0. `packed` (3): the right-padded rows run as one row without their padding; the log-probs
     come back in the padded layout, 0 on padding."""
     if packed:
-        return _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, prefix, recompute)
+        return _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, prefix,
+                                recompute)
     start = prefix.length if prefix is not None else 0
     batch = input_ids.shape[0]
     if prefix is None:

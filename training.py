@@ -3,7 +3,8 @@
 1. The process group: torchrun's or one of one; NCCL on GPUs, gloo on CPUs, with a timeout that fits
    RL, and a gloo group for objects and waits: no rank ever waits inside an NCCL collective.
 2. The model: rank 0 reads the checkpoint, the others build it on the meta device; FSDP2 shards each
-   decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs.
+   decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs; the
+   trainer's GPU memory in expandable segments (off while the engine is awake).
 3. Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
    share cut by a token budget (rows x the longest, or with packing the tokens alone), as many passes
    on every rank (FSDP's collectives need them all).
@@ -86,11 +87,26 @@ def shard_model(model, device):
     return model
 
 
+def expandable_segments(on: bool) -> None:
+    """The caching allocator's expandable segments: on while the trainer works (a segment grows in place
+    where it would leave a new one beside the old, so reserved memory stays near allocated: docs/gpu.md),
+    off while the engine is awake (engine.trainer_offloaded: vLLM's sleep pools want plain segments).
+    Only that field of the allocator's settings changes: torch resets every field a settings string
+    leaves out (torch 2.13, c10/core/AllocatorConfig.h). The same call on every device; the CUDA
+    allocator reads it for each new segment, the CPU one never."""
+    current = torch._C._accelerator_getAllocatorSettings() or os.environ.get(
+        "PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    fields = [f for f in current.split(",") if f.strip() and f.split(":")[0].strip() != "expandable_segments"]
+    torch._C._accelerator_setAllocatorSettings(",".join(fields + [f"expandable_segments:{on}"]))
+
+
 def load_sharded_model(path: str, device, activation_checkpointing: bool = False):
     """The model at `path` in fp32, sharded. Only rank 0 reads the weights (a node holds one full copy,
     not one per rank: 8 x 59 GB at 14B); the others build it on the meta device, and rank 0's weights
-    and buffers (rotary frequencies) are broadcast into every rank's shards."""
+    and buffers (rotary frequencies) are broadcast into every rank's shards. The trainer's memory comes
+    from expandable segments from here on."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    expandable_segments(True)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:

@@ -416,14 +416,60 @@ def test_offloading_the_trainer_around_each_rollout_trains_bit_for_bit_the_same(
         torch.manual_seed(0)
         for _ in range(3):
             with trainer_offloaded(model, optimizer, torch.device("cpu"), offload):
-                moved = [p.to_local().data_ptr() for p in model.parameters()]  # (the rollout runs here)
+                # (the rollout runs here)
+                moved = [p.to_local().untyped_storage().nbytes() for p in model.parameters()]
             trained_steps(model, optimizer, 1)
         assert list(model.parameters()) == params, "the optimizer must still hold the model's parameters"
         runs.append(({k: v.full_tensor() for k, v in model.state_dict().items()}, optimizer.state_dict()))
-    assert moved != [p.to_local().data_ptr() for p in model.parameters()], "nothing was moved and back"
+    assert moved == [0] * len(params), "the weights' memory on the device was not freed for the engine"
     (weights, optim), (weights_offloaded, optim_offloaded) = runs
     assert all(torch.equal(weights[k], weights_offloaded[k]) for k in weights), "offloading changed training"
     for state, state_offloaded in zip(optim["state"].values(), optim_offloaded["state"].values()):
         assert all(torch.equal(state[k].full_tensor() if hasattr(state[k], "full_tensor") else state[k],
                                state_offloaded[k].full_tensor() if hasattr(state_offloaded[k], "full_tensor")
                                else state_offloaded[k]) for k in state), "the moments differ"
+
+
+def test_the_host_buffers_are_allocated_once_at_the_exact_size_and_reused_every_round():
+    """The first offload (at start-up, before AdamW has moments) already allocates the moments' host
+    buffers; every later round copies into the same buffers (a fresh pinned page costs 20x a reused
+    one on a GPU), and they hold exactly the fp32 weights and two moments: memory_plan's 12P/N."""
+    from engine import trainer_offloaded
+    from training import init_distributed, shard_model
+    init_distributed()
+    model = shard_model(random_model(layers=2, seed=3), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n_params = sum(p.numel() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    rounds = []
+    for _ in range(3):
+        with trainer_offloaded(model, optimizer, torch.device("cpu")) as host:
+            rounds.append(sorted(buffer.data_ptr() for buffer in host))
+            held = sum(buffer.numel() for buffer in host)
+        trained_steps(model, optimizer, 1)
+    assert held == 12 * n_params + buffer_bytes, f"host buffers of {held} bytes, not the plan's 12P"
+    assert rounds[0] == rounds[1] == rounds[2], "host buffers were allocated again after the first offload"
+
+
+def test_expandable_segments_are_on_for_training_and_off_while_the_engine_is_awake():
+    """load_sharded_model turns them on, trainer_offloaded off for its block (the engine wakes in it)
+    and on after, offloading or not; the allocator's other settings stay (torch resets what a
+    settings string leaves out)."""
+    from engine import trainer_offloaded
+    from training import expandable_segments, init_distributed, shard_model
+    before = torch._C._accelerator_getAllocatorSettings()
+    init_distributed()
+    model = shard_model(random_model(layers=1), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    try:
+        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:512")
+        expandable_segments(True)
+        for offload in (False, True):
+            assert torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:512,expandable_segments:True"
+            with trainer_offloaded(model, optimizer, torch.device("cpu"), offload):
+                assert torch._C._accelerator_getAllocatorSettings() == \
+                    "max_split_size_mb:512,expandable_segments:False", "expandable segments on while the engine wakes"
+        assert torch._C._accelerator_getAllocatorSettings().endswith("expandable_segments:True"), \
+            "expandable segments must come back on for training"
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before or "expandable_segments:False")
