@@ -22,6 +22,8 @@ import warnings
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 LOGPROB_CHUNK_TOKENS = 1024  # positions per chunk: 0.6 GB of fp32 logits at a 152K vocabulary
 # FSDP2 warns that the outputs include a view (the embeddings): nothing here changes them in place.
@@ -87,25 +89,17 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens
     row = torch.repeat_interleave(torch.arange(batch, device=flat.device), lengths)  # (L,)
     offset = every - (torch.cumsum(lengths, 0) - lengths)[row]             # (L,): position in its row
     position_ids = (start + offset)[None]                                  # (1, L)
+    if model.config._attn_implementation in ("sdpa", "eager"):
+        model.config._attn_implementation = PACKED_ATTENTION  # (once: it is sdpa for unpacked rows)
+    out = model(input_ids=flat[None], position_ids=position_ids, packed_lengths=lengths.tolist(),
+                past_key_values=prefix.cache(1) if prefix is not None else None, use_cache=prefix is not None,
+                output_hidden_states=True, logits_to_keep=1)
     if prefix is None:
-        # transformers reads the packing from positions that restart (masking_utils.py
-        # find_packed_sequence_indices): a causal block per sequence under sdpa, eager, flex or flash
-        out = model(input_ids=flat[None], position_ids=position_ids, use_cache=False,
-                    output_hidden_states=True, logits_to_keep=1)
         scored = offset > 0                           # a row's first token has no position before it
         hidden = out.hidden_states[-1][0][every[scored] - 1]               # (N, H)
         targets = flat[scored]                                             # (N,)
         layout = attention_mask[:, 1:].bool()                              # (B, T-1)
-    else:
-        # with a cache transformers does not look for packing: the mask spelled out, the prefix for all
-        own = (row[:, None] == row[None, :]) & (offset[:, None] >= offset[None, :])  # (L, L)
-        mask = torch.cat([own.new_ones(len(flat), start), own], dim=1)[None, None]    # (1, 1, L, P+L)
-        if model.config._attn_implementation == "eager":  # (eager adds its mask to the scores)
-            mask = torch.where(mask, 0.0, torch.finfo(prefix.last_hidden(1).dtype).min)
-        out = model(input_ids=flat[None], attention_mask=mask, position_ids=position_ids,
-                    past_key_values=prefix.cache(1), use_cache=True, output_hidden_states=True,
-                    logits_to_keep=1)
-        # every token is scored by the position before it: its own row's, or the prefix's last
+    else:  # every token is scored by the position before it: its own row's, or the prefix's last
         hidden = torch.cat([prefix.last_hidden(1)[0], out.hidden_states[-1][0]])       # (1 + L, H)
         hidden = hidden[torch.where(offset > 0, every, 0)]                             # (L, H)
         targets = flat                                                                 # (L,)
@@ -115,6 +109,36 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens
     if prefix is not None:
         logp = torch.cat([logp.new_zeros(batch, start - 1), logp], dim=1)  # (B, T-1)
     return logp
+
+
+def _packed_attention(module, query, key, value, attention_mask, packed_lengths=None, **kwargs):
+    """(3) Attention over a packed row, one sequence at a time: each attends to the shared prefix's keys
+    (those before the row's) and causally to itself, so it costs the sum of each sequence's square,
+    not the row's (flash-attention's varlen does the same in one kernel; sdpa, on CPUs too, gets a
+    sequence at a time). Rows that are not packed: transformers' sdpa.
+    query (1, heads, L, d); key, value (1, kv heads, P + L, d) -> (1, L, heads, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if packed_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    prefix, start, outputs = key.shape[2] - query.shape[2], 0, []
+    for n in packed_lengths:
+        own = slice(prefix + start, prefix + start + n)
+        keys, values, mask = key[:, :, own], value[:, :, own], None
+        if prefix:  # all of the prefix, then causal: row i sees keys up to prefix + i
+            keys = torch.cat([key[:, :, :prefix], keys], dim=2)                      # (1, kv heads, P + n, d)
+            values = torch.cat([value[:, :, :prefix], values], dim=2)                # (1, kv heads, P + n, d)
+            mask = torch.ones(n, prefix + n, dtype=torch.bool, device=query.device).tril(prefix)[None, None]
+        out, _ = sdpa_attention_forward(module, query[:, :, start:start + n], keys, values, mask,
+                                        is_causal=not prefix, **kwargs)                # (1, n, heads, d)
+        outputs.append(out)
+        start += n
+    return torch.cat(outputs, dim=1), None
+
+
+PACKED_ATTENTION = "rstar2_packed_sdpa"
+AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # (the padded rows' masks, as sdpa's)
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, temperature):
