@@ -198,7 +198,7 @@ def main():
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / memory_plan.GiB if device.type == "cuda" else 80
     plan = memory_plan.plan(config, ranks=1, gpu_gib=gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
                             rollout_tokens=args.prompt_tokens + args.max_tokens, offload="off")
-    print(f"trainer: {args.model} ({params / 1e9:.2f}B parameters, random weights) on {name}; {len(kept)} kept "
+    print(f"trainer: {args.model} ({params / 1e6:.3f}M parameters, random weights) on {name}; {len(kept)} kept "
           f"rollouts, {tokens} tokens ({min(t.response_length for t in kept)}-"
           f"{max(t.response_length for t in kept)} response tokens each); micro-batches of "
           f"{args.micro_batch_tokens} tokens; {args.rounds} rounds a way, the first a warm-up")
@@ -228,7 +228,7 @@ def main():
         update_seconds = sum(r[p].seconds for r in runs for p in ("training", "optimizer step")) / len(runs)
         rate[way] = tokens / update_seconds
     for i, (out, back, nbytes) in enumerate(offload_rounds(model, optimizer, device)):
-        print(f"offload round {i + 1}: {nbytes / 1e9:.2f} GB out in {out:.2f} s ({nbytes / out / 1e9:.1f} GB/s), "
+        print(f"offload round {i + 1}: {nbytes / 1e6:.1f} MB out in {out:.2f} s ({nbytes / out / 1e9:.1f} GB/s), "
               f"back in {back:.2f} s ({nbytes / back / 1e9:.1f} GB/s)")
     print(f"trainer: packed {rate['packed']:.0f} tokens/s, padded {rate['padded']:.0f} tokens/s: "
           f"{rate['packed'] / rate['padded']:.2f}x")
