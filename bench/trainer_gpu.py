@@ -139,8 +139,11 @@ class Phase:
 
 def update(model, optimizer, kept, advantages, packed: bool, device) -> dict:
     """(3) One RL step's update, as train.py's old_logprobs and optimizer_step run it; its phases."""
-    for group in optimizer.param_groups:  # (the moments stay; only the kernel changes)
-        group["fused"], group["foreach"] = packed and device.type == "cuda", not (packed and device.type == "cuda")
+    fused = packed and device.type == "cuda"  # (as train.py: fused AdamW on GPUs)
+    if optimizer.param_groups[0]["fused"] != fused:
+        optimizer.state.clear()  # (fused AdamW keeps its step counts on the GPU: a fresh state for it)
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = fused, not fused
     lengths = [t.prompt_length + t.response_length for t in kept]
     plan = plan_micro_batches(lengths, args.micro_batch_tokens, 1, packed=packed)[0]
     n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))
@@ -187,7 +190,8 @@ def offload_rounds(model, optimizer, device) -> list[tuple[float, float, int]]:
 
 def main():
     _, _, _, device = init_distributed()
-    model = load_sharded_model(random_model_dir(), device, activation_checkpointing=device.type == "cuda").train()
+    on_gpu = device.type == "cuda"
+    model = load_sharded_model(random_model_dir(), device, activation_checkpointing=on_gpu).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     config = QWEN3[args.model]
     kept, advantages = rl_batch(config["vocab_size"])
@@ -195,16 +199,17 @@ def main():
     tokens = sum(t.prompt_length + t.response_length for t in kept)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    gpu_gib = torch.cuda.get_device_properties(device).total_memory / memory_plan.GiB if device.type == "cuda" else 80
+    gpu_gib = torch.cuda.get_device_properties(device).total_memory / memory_plan.GiB if on_gpu else 80
     plan = memory_plan.plan(config, ranks=1, gpu_gib=gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
                             rollout_tokens=args.prompt_tokens + args.max_tokens, offload="off")
-    print(f"trainer: {args.model} ({params / 1e6:.3f}M parameters, random weights) on {name}; {len(kept)} kept "
-          f"rollouts, {tokens} tokens ({min(t.response_length for t in kept)}-"
+    print(f"trainer: {args.model} ({params / 1e6:.3f}M parameters, random weights) on {name}; "
+          f"{len(kept)} kept rollouts, {tokens} tokens ({min(t.response_length for t in kept)}-"
           f"{max(t.response_length for t in kept)} response tokens each); micro-batches of "
           f"{args.micro_batch_tokens} tokens; {args.rounds} rounds a way, the first a warm-up")
     results = {}
     for way in ("padded", "packed"):
-        runs = [update(model, optimizer, kept, advantages, way == "packed", device) for _ in range(args.rounds)]
+        runs = [update(model, optimizer, kept, advantages, way == "packed", device)
+                for _ in range(args.rounds)]
         results[way] = runs[1:] or runs
     padded_tokens = sum(len(mb) * max(kept[i].prompt_length + kept[i].response_length for i in mb)
                         for mb in plan_micro_batches([t.prompt_length + t.response_length for t in kept],
@@ -220,15 +225,18 @@ def main():
             seconds = sum(r[phase].seconds for r in runs) / len(runs)
             mfu = per_token * params * tokens / seconds / (peak * 1e12) if peak and per_token else None
             # the plan's trainer terms (not the engine's, not the context): allocated, then with the reserve
-            terms = {k: v for k, v in plan.phases.get(phase, {}).items() if not k.startswith(("engine", "CUDA"))}
+            terms = {k: v for k, v in plan.phases.get(phase, {}).items()
+                     if not k.startswith(("engine", "CUDA"))}
             allocated = sum(v for k, v in terms.items() if not k.startswith("allocator")) / memory_plan.GiB
             print(f"{way:>6}  {phase:>14}  {seconds:7.2f}  {tokens / seconds:9.0f}  {show(mfu, 6, '.1%')}  "
                   f"{show(runs[-1][phase].allocated, 9)}  {show(allocated if terms else None, 6)}  "
-                  f"{show(runs[-1][phase].reserved, 8)}  {show(sum(terms.values()) / memory_plan.GiB or None, 6)}")
+                  f"{show(runs[-1][phase].reserved, 8)}  "
+                  f"{show(sum(terms.values()) / memory_plan.GiB or None, 6)}")
         update_seconds = sum(r[p].seconds for r in runs for p in ("training", "optimizer step")) / len(runs)
         rate[way] = tokens / update_seconds
     for i, (out, back, nbytes) in enumerate(offload_rounds(model, optimizer, device)):
-        print(f"offload round {i + 1}: {nbytes / 1e6:.1f} MB out in {out:.2f} s ({nbytes / out / 1e9:.1f} GB/s), "
+        print(f"offload round {i + 1}: {nbytes / 1e6:.1f} MB out in {out:.2f} s "
+              f"({nbytes / out / 1e9:.1f} GB/s), "
               f"back in {back:.2f} s ({nbytes / back / 1e9:.1f} GB/s)")
     print(f"trainer: packed {rate['packed']:.0f} tokens/s, padded {rate['padded']:.0f} tokens/s: "
           f"{rate['packed'] / rate['padded']:.2f}x")
