@@ -318,7 +318,8 @@ def _optimizer_step(s: Shape, ranks: int) -> dict:
 def _allocator_reserve(trainer_terms: dict) -> dict:
     """3-4. What the caching allocator reserves beyond what the trainer's tensors hold: with expandable
     segments (training.expandable_segments) a fraction of them."""
-    return {"allocator: reserved beyond allocated": int(RESERVED_OVER_ALLOCATED * sum(trainer_terms.values()))}
+    reserve = int(RESERVED_OVER_ALLOCATED * sum(trainer_terms.values()))
+    return {"allocator: reserved beyond allocated": reserve}
 
 
 def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tokens: int, offload: bool,

@@ -320,14 +320,15 @@ def packing():
     problems = step_problems()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     llm, model, optimizer = trainer_and_engine(problems)
-    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response, temperature=args.temperature,
-                        seed=args.seed, eos_ids=model_eos_ids(args.model))
+    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
+                        temperature=args.temperature, seed=args.seed, eos_ids=model_eos_ids(args.model))
     with Sandbox(timeout=5.0) as sandbox:
-        trajs, _ = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.rollouts, cfg, ProblemQueue())
+        trajs, _ = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.rollouts, cfg,
+                                     ProblemQueue())
     kept, advantages = keep(trajs)
     restore, clocks, tokens_run, results = update_start(model, optimizer), {}, {}, {}
-    print(f"packing: {len(kept)} kept trajectories of {min(t.prompt_length + t.response_length for t in kept)}-"
-          f"{max(t.prompt_length + t.response_length for t in kept)} tokens, micro-batches of "
+    lengths = [t.prompt_length + t.response_length for t in kept]
+    print(f"packing: {len(kept)} kept trajectories of {min(lengths)}-{max(lengths)} tokens, micro-batches of "
           f"{args.micro_batch_tokens} tokens, the shared prefix once, {args.rounds} rounds")
     for _ in range(args.rounds):
         for name in ("padded", "packed"):

@@ -10,19 +10,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_the_trainer_benchmark_runs_tiny_on_a_cpu_and_ends_with_its_ratio(tmp_path):
     """Both ways' phases, the padding it measures, offload rounds that move the plan's 12 bytes per
     parameter, and the last line's ratio is the two rates it prints."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trainer_gpu.py"), "--model", "tiny",
-                          "--rollouts", "4", "--group-size", "2", "--prompt-tokens", "24", "--min-tokens", "8",
-                          "--max-tokens", "64", "--micro-batch-tokens", "128", "--rounds", "2",
-                          "--offload-rounds", "2", "--work-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    tiny = ["--model", "tiny", "--rollouts", "4", "--group-size", "2", "--prompt-tokens", "24",
+            "--min-tokens", "8", "--max-tokens", "64", "--micro-batch-tokens", "128", "--rounds", "2",
+            "--offload-rounds", "2"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trainer_gpu.py"), *tiny,
+                          "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     params = float(re.search(r"\(([\d.]+)M parameters", lines[0]).group(1)) * 1e6
-    tokens, positions = map(int, re.search(r"runs (\d+) positions for (\d+) tokens", out.stdout).groups()[::-1])
+    positions, tokens = map(int, re.search(r"runs (\d+) positions for (\d+) tokens", out.stdout).groups())
     assert positions > tokens, "the tiny batch's rollouts differ in length: padding must show"
     for way in ("padded", "packed"):
         for phase in ("old log-probs", "training", "optimizer step"):
-            assert re.search(rf"^\s*{way}\s+{phase}\s+[\d.]+\s+\d+", out.stdout, re.M), f"no {way} {phase} row"
+            row = rf"^\s*{way}\s+{phase}\s+[\d.]+\s+\d+"
+            assert re.search(row, out.stdout, re.M), f"no {way} {phase} row"
     moved = [float(x) * 1e6 for x in re.findall(r"offload round \d: ([\d.]+) MB out", out.stdout)]
     assert len(moved) == 2 and all(abs(m - 12 * params) <= 0.02 * 12 * params for m in moved), \
         f"offload moved {moved} bytes, not the fp32 weights and two moments of {params:.0f} parameters"

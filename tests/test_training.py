@@ -464,11 +464,12 @@ def test_expandable_segments_are_on_for_training_and_off_while_the_engine_is_awa
     try:
         torch._C._accelerator_setAllocatorSettings("max_split_size_mb:512")
         expandable_segments(True)
+        settings = torch._C._accelerator_getAllocatorSettings
         for offload in (False, True):
-            assert torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:512,expandable_segments:True"
+            assert settings() == "max_split_size_mb:512,expandable_segments:True"
             with trainer_offloaded(model, optimizer, torch.device("cpu"), offload):
-                assert torch._C._accelerator_getAllocatorSettings() == \
-                    "max_split_size_mb:512,expandable_segments:False", "expandable segments on while the engine wakes"
+                assert settings() == "max_split_size_mb:512,expandable_segments:False", \
+                    "expandable segments on while the engine wakes"
         assert torch._C._accelerator_getAllocatorSettings().endswith("expandable_segments:True"), \
             "expandable segments must come back on for training"
     finally:
