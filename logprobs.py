@@ -13,11 +13,17 @@
    of running every sequence whole (tests/test_training.py checks both). It needs the model's KV
    cache, which transformers drops under gradient checkpointing: it is for models trained without
    activation checkpointing (train.py: on CPUs; on GPUs a prompt is small next to 8K-token responses).
+3. Packing (token_logprobs(packed=True)): a micro-batch's rows run as one row without padding, each
+   sequence its own positions and causal block, with or without a shared prefix; the log-probs come
+   back in the padded layout, so the losses read them as before (training.plan_micro_batches then
+   counts a micro-batch's tokens, not rows x its longest row).
 """
 import warnings
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 LOGPROB_CHUNK_TOKENS = 1024  # positions per chunk: 0.6 GB of fp32 logits at a 152K vocabulary
 # FSDP2 warns that the outputs include a view (the embeddings): nothing here changes them in place.
@@ -25,11 +31,16 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
-                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS, prefix=None, recompute: bool = True):
+                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS, prefix=None, recompute: bool = True,
+                   packed: bool = False):
     """(1) log softmax(logits / temperature)[input_ids[:, t + 1]] at every position t: (B, T-1), fp32.
     `prefix` (a SharedPrefix): every row starts with its tokens; only the rest of each row runs, and
     positions before prefix.length - 1 (prefix tokens scoring prefix tokens: no loss counts them)
-    hold 0."""
+    hold 0. `packed` (3): the right-padded rows run as one row without their padding; the log-probs
+    come back in the padded layout, 0 on padding."""
+    if packed:
+        return _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, prefix,
+                                recompute)
     start = prefix.length if prefix is not None else 0
     batch = input_ids.shape[0]
     if prefix is None:
@@ -45,17 +56,89 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     positions, width = hidden.shape[1], hidden.shape[2]
     hidden = hidden.reshape(batch * positions, width)           # (N, H)
     targets = input_ids[:, max(start, 1):].reshape(batch * positions)  # (N,)
+    logp = _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute)
+    logp = logp.view(batch, positions)                          # (B, T-1), or (B, T-P) after a prefix
+    if prefix is not None:
+        logp = torch.cat([logp.new_zeros(batch, start - 1), logp], dim=1)  # (B, T-1)
+    return logp
+
+
+def _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute):
+    """The head and the log-softmax over chunks of positions: hidden (N, H), targets (N,) -> (N,)."""
     head = model.get_output_embeddings()
     chunks = []
-    for begin in range(0, batch * positions, chunk_tokens):
+    for begin in range(0, hidden.shape[0], chunk_tokens):
         piece = (hidden[begin:begin + chunk_tokens], targets[begin:begin + chunk_tokens], head.weight,
                  head.bias, temperature)
         chunks.append(checkpoint(_chunk_logprobs, *piece, use_reentrant=False) if recompute
                       else _chunk_logprobs(*piece))
-    logp = torch.cat(chunks).view(batch, positions)             # (B, T-1), or (B, T-P) after a prefix
+    return torch.cat(chunks)
+
+
+def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, prefix, recompute):
+    """(3) The right-padded rows as one row of their tokens back to back. Each sequence keeps its own
+    positions and its own causal block (itself and the shared prefix, never the sequence before it),
+    so the log-probs and the gradients are the padded rows' (tests/test_training.py), while no padding
+    runs through the layers or the head: a micro-batch costs its tokens, not rows x its longest row."""
+    start = prefix.length if prefix is not None else 0
+    batch = input_ids.shape[0]
+    valid = attention_mask[:, start:].bool()                               # (B, T-P): the tokens that run
+    lengths = valid.sum(1)                                                 # (B,)
+    flat = input_ids[:, start:][valid]                                     # (L,): the rows back to back
+    every = torch.arange(flat.shape[0], device=flat.device)                # (L,)
+    row = torch.repeat_interleave(torch.arange(batch, device=flat.device), lengths)  # (L,)
+    offset = every - (torch.cumsum(lengths, 0) - lengths)[row]             # (L,): position in its row
+    position_ids = (start + offset)[None]                                  # (1, L)
+    if model.config._attn_implementation in ("sdpa", "eager"):
+        model.config._attn_implementation = PACKED_ATTENTION  # (once: it is sdpa for unpacked rows)
+    out = model(input_ids=flat[None], position_ids=position_ids, packed_lengths=lengths.tolist(),
+                past_key_values=prefix.cache(1) if prefix is not None else None, use_cache=prefix is not None,
+                output_hidden_states=True, logits_to_keep=1)
+    if prefix is None:
+        scored = offset > 0                           # a row's first token has no position before it
+        hidden = out.hidden_states[-1][0][every[scored] - 1]               # (N, H)
+        targets = flat[scored]                                             # (N,)
+        layout = attention_mask[:, 1:].bool()                              # (B, T-1)
+    else:  # every token is scored by the position before it: its own row's, or the prefix's last
+        hidden = torch.cat([prefix.last_hidden(1)[0], out.hidden_states[-1][0]])       # (1 + L, H)
+        hidden = hidden[torch.where(offset > 0, every, 0)]                             # (L, H)
+        targets = flat                                                                 # (L,)
+        layout = valid                                                                 # (B, T-P)
+    logp = _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute)  # (N,)
+    logp = logp.new_zeros(layout.shape).masked_scatter(layout, logp)       # (B, T-1), or (B, T-P)
     if prefix is not None:
         logp = torch.cat([logp.new_zeros(batch, start - 1), logp], dim=1)  # (B, T-1)
     return logp
+
+
+def _packed_attention(module, query, key, value, attention_mask, packed_lengths=None, **kwargs):
+    """(3) Attention over a packed row, one sequence at a time: each attends to the shared prefix's keys
+    (those before the row's) and causally to itself, so it costs the sum of each sequence's square,
+    not the row's (flash-attention's varlen does the same in one kernel; sdpa, on CPUs too, gets a
+    sequence at a time). Rows that are not packed: transformers' sdpa.
+    query (1, heads, L, d); key, value (1, kv heads, P + L, d) -> (1, L, heads, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if packed_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    prefix, start, outputs = key.shape[2] - query.shape[2], 0, []
+    for n in packed_lengths:
+        own = slice(prefix + start, prefix + start + n)
+        keys, values, mask = key[:, :, own], value[:, :, own], None
+        if prefix:  # all of the prefix, then causal: row i sees keys up to prefix + i
+            keys = torch.cat([key[:, :, :prefix], keys], dim=2)                      # (1, kv heads, P + n, d)
+            values = torch.cat([value[:, :, :prefix], values], dim=2)                # (1, kv heads, P + n, d)
+            mask = torch.ones(n, prefix + n, dtype=torch.bool, device=query.device).tril(prefix)[None, None]
+        out, _ = sdpa_attention_forward(module, query[:, :, start:start + n], keys, values, mask,
+                                        is_causal=not prefix, **kwargs)                # (1, n, heads, d)
+        outputs.append(out)
+        start += n
+    return torch.cat(outputs, dim=1), None
+
+
+PACKED_ATTENTION = "rstar2_packed_sdpa"
+AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # (the padded rows' masks, as sdpa's)
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, temperature):

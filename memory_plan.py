@@ -23,8 +23,10 @@ of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
    b. a decoder layer: its activations recomputed and their gradients, its bf16 gradients and their
       fp32 copy for the reduce-scatter (FSDP2 reduces in fp32);
    c. the root's reduce at the end: its bf16 gradients and their fp32 copy.
-4. Optimizer step: weights, gradients, moments and foreach AdamW's temporary (sqrt of the second
-   moment over every parameter at once): 20P/N.
+4. Optimizer step: weights, gradients, moments: 16P/N (fused AdamW: no temporary).
+   Training and the optimizer step also count the caching allocator's reserve beyond the tensors it
+   holds: the trainer allocates in expandable segments (training.expandable_segments), a fraction
+   then (RESERVED_OVER_ALLOCATED).
 5. Weight sync (engine.sync_weights): the engine's weights and CUDA graphs woken, not its KV cache,
    beside the trainer's 12P/N; vLLM's layerwise reload keeps each incoming bf16 tensor of a module
    until the module is complete, then builds the module on the GPU and copies it into the woken
@@ -86,6 +88,9 @@ LOGIT_BYTES_TRAINING = 16  # a log-prob chunk's backward per logit: the fp32 log
 #   the gradients of the gather and of the log-sum-exp, their sum (training._chunk_logprobs)
 FINAL_HIDDEN_BYTES = 12    # per token and hidden unit: the last layer's output (2), the final norm's fp32
 #   input (4) and bf16 product (2) kept for its backward, its output (2), the positions' (N, h) copy (2)
+RESERVED_OVER_ALLOCATED = 0.10  # the allocator's reserve while the trainer works, over its tensors. Without
+#   expandable segments an H100 measured 1.39x at 1.7B and 1.16x at 4B (docs/gpu.md); with them (each
+#   segment grows in place) the target is within 10%: counted here, not yet measured on a GPU
 MASK_BYTES = 3             # transformers' sdpa mask when a micro-batch is padded: (B, 1, T, T) bool, and
 #   torch's float copy of it for the memory-efficient kernel (2)
 
@@ -303,6 +308,20 @@ def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int
     return max(moments, key=lambda terms: sum(terms.values()))
 
 
+def _optimizer_step(s: Shape, ranks: int) -> dict:
+    """4. Fused AdamW (train.py on GPUs) updates each parameter in one kernel, no temporary: weights,
+    gradients, moments. (foreach AdamW kept sqrt(second moment) of every parameter at once, 4P/N more:
+    torch/optim/adam.py _multi_tensor_adam, exp_avg_sq_sqrt.)"""
+    return {"trainer: weights, gradients, moments (fused AdamW)": 16 * s.params // ranks}
+
+
+def _allocator_reserve(trainer_terms: dict) -> dict:
+    """3-4. What the caching allocator reserves beyond what the trainer's tensors hold: with expandable
+    segments (training.expandable_segments) a fraction of them."""
+    reserve = int(RESERVED_OVER_ALLOCATED * sum(trainer_terms.values()))
+    return {"allocator: reserved beyond allocated": reserve}
+
+
 def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tokens: int, offload: bool,
             logprob_chunk: int) -> tuple[dict, int]:
     """Every phase's terms for one offload choice, and the engine's share of the GPU."""
@@ -315,12 +334,10 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
     share = gpu - MARGIN - CONTEXT - (0 if offload else 12 * p // ranks)
     kv_cache = {"engine: KV cache": max(0, share - sum(engine.values()))}
     rollout = {**({} if offload else trainer_state), **context, **engine, **kv_cache}
-    training = {**_training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk), **engine_asleep,
-                **context}
-    # 4. foreach AdamW keeps sqrt(second moment) of every parameter at once (torch/optim/adam.py
-    # _multi_tensor_adam: exp_avg_sq_sqrt), gradients still held
-    step = {"trainer: weights, gradients, moments, AdamW's temporary": 20 * p // ranks, **engine_asleep,
-            **context}
+    training = _training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk)
+    training = {**training, **_allocator_reserve(training), **engine_asleep, **context}
+    step = _optimizer_step(s, ranks)
+    step = {**step, **_allocator_reserve(step), **engine_asleep, **context}
     # 1. torch/distributed/checkpoint/state_dict.py _init_optim_state: zero gradients and a step with lr 0;
     # at start-up FSDP2 moves each module of rank 0's model to the GPU whole before sharding it
     initialised = {"trainer: weights, zero gradients, moments, AdamW's temporary": 20 * p // ranks}
@@ -364,6 +381,8 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     per_node = min(ranks, GPUS_PER_NODE)
     whole_batch = rollouts_per_step * rollout_tokens  # tokens, every rollout at its longest
     slots = per_node * max(1, cores_per_node // per_node - 1)  # sandbox.default_workers on every rank
+    # The trainer's host buffers are allocated once and kept (engine.trainer_offloaded), each at its
+    # exact size: registered pageable memory, not torch's pinned pool, which rounds up to a power of two.
     host = {"engines asleep: pinned weights, CUDA graphs": per_node * (2 * p + CUDA_GRAPHS),
             "trainer offloaded: pinned fp32 weights, moments": per_node * 12 * p // ranks if chosen else 0,
             "trajectories: each rank's own, every one's numbers":

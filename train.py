@@ -115,7 +115,8 @@ optimization.add_argument("--grad-clip", type=float, default=1.0, help="clip the
 optimization.add_argument("--mini-batches", type=int, default=1,
                           help="optimizer steps per RL step (K > 1: the PPO clip acts from the second)")
 optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
-                          help="tokens per forward pass, padding included (the memory plan assumes it)")
+                          help="tokens per forward pass, rows packed without padding (the memory plan "
+                               "assumes it)")
 
 infra = parser.add_argument_group("infrastructure")
 add_engine_flags(infra, memory_fraction="auto")  # --memory-fraction (auto: the plan's), --kv-cache-tokens
@@ -176,7 +177,8 @@ pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else token
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt)
 log(f"data: {len(problems)} problems from {args.data}; "
     f"dropped {n_long} with a prompt over {args.max_prompt} tokens")
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                              fused=device.type == "cuda")  # (one kernel per step on GPUs)
 
 # Where the run starts: its own newest checkpoint (--resume), an earlier stage's (--init-from), or
 # the beginning. The data stream's `position` counts problems taken; `stream_start` is where this run
@@ -227,7 +229,7 @@ def shared_prefix(kept):
 def micro_batches(kept) -> list[list[list[int]]]:
     """Every rank's micro-batches of `kept`, as lists of indices (empty ones keep FSDP in step)."""
     lengths = [t.prompt_length + t.response_length - shared for t in kept]  # about the tokens that run
-    return plan_micro_batches(lengths, args.micro_batch_tokens, world_size)
+    return plan_micro_batches(lengths, args.micro_batch_tokens, world_size, packed=True)
 
 
 def forward(kept, prefix):
@@ -238,9 +240,10 @@ def forward(kept, prefix):
             empty_pass(model, pad_id, device)
             continue
         tensors = trajectory_tensors([kept[i] for i in micro_batch], pad_id, device)
-        # (on GPUs each chunk's head is recomputed in the backward; on CPUs its logits are kept)
+        # (rows packed without padding; on GPUs each chunk's head is recomputed in the backward, on
+        # CPUs its logits are kept)
         yield micro_batch, tensors, token_logprobs(model, *tensors[:2], args.temperature, prefix=prefix,
-                                                   recompute=device.type == "cuda")
+                                                   recompute=device.type == "cuda", packed=True)
 
 
 @torch.no_grad()

@@ -3,9 +3,11 @@
 1. The process group: torchrun's or one of one; NCCL on GPUs, gloo on CPUs, with a timeout that fits
    RL, and a gloo group for objects and waits: no rank ever waits inside an NCCL collective.
 2. The model: rank 0 reads the checkpoint, the others build it on the meta device; FSDP2 shards each
-   decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs.
+   decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs; the
+   trainer's GPU memory in expandable segments (off while the engine is awake).
 3. Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
-   share cut by a token budget, as many passes on every rank (FSDP's collectives need them all).
+   share cut by a token budget (rows x the longest, or with packing the tokens alone), as many passes
+   on every rank (FSDP's collectives need them all).
    (The token log-probs both losses use are logprobs.py's.)
 4. The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
 5. Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
@@ -85,11 +87,26 @@ def shard_model(model, device):
     return model
 
 
+def expandable_segments(on: bool) -> None:
+    """The caching allocator's expandable segments: on while the trainer works (a segment grows in place
+    where it would leave a new one beside the old, so reserved memory stays near allocated: docs/gpu.md),
+    off while the engine is awake (engine.trainer_offloaded: vLLM's sleep pools want plain segments).
+    Only that field of the allocator's settings changes: torch resets every field a settings string
+    leaves out (torch 2.13, c10/core/AllocatorConfig.h). The same call on every device; the CUDA
+    allocator reads it for each new segment, the CPU one never."""
+    current = torch._C._accelerator_getAllocatorSettings() or os.environ.get(
+        "PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    fields = [f for f in current.split(",") if f.strip() and f.split(":")[0].strip() != "expandable_segments"]
+    torch._C._accelerator_setAllocatorSettings(",".join(fields + [f"expandable_segments:{on}"]))
+
+
 def load_sharded_model(path: str, device, activation_checkpointing: bool = False):
     """The model at `path` in fp32, sharded. Only rank 0 reads the weights (a node holds one full copy,
     not one per rank: 8 x 59 GB at 14B); the others build it on the meta device, and rank 0's weights
-    and buffers (rotary frequencies) are broadcast into every rank's shards."""
+    and buffers (rotary frequencies) are broadcast into every rank's shards. The trainer's memory comes
+    from expandable segments from here on."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    expandable_segments(True)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -118,9 +135,12 @@ def load_sharded_model(path: str, device, activation_checkpointing: bool = False
 # (3) Micro-batches
 
 
-def plan_micro_batches(lengths: list[int], budget: int, world_size: int) -> list[list[list[int]]]:
-    """Per rank, its micro-batches as lists of indices into `lengths`: rows x longest row <= budget (a
-    longer sequence goes alone); all ranks get as many (empty ones at the end: see empty_pass)."""
+def plan_micro_batches(lengths: list[int], budget: int, world_size: int,
+                       packed: bool = False) -> list[list[list[int]]]:
+    """Per rank, its micro-batches as lists of indices into `lengths`: rows x longest row <= budget, or
+    with `packed` (rows run back to back, logprobs.token_logprobs(packed=True)) their tokens <= budget,
+    each sequence in the first micro-batch with room; a longer sequence goes alone. All ranks get as
+    many (empty ones at the end: see empty_pass)."""
     shares, load = [[] for _ in range(world_size)], [0] * world_size
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # longest first, to the lightest rank
         lightest = load.index(min(load))
@@ -128,12 +148,19 @@ def plan_micro_batches(lengths: list[int], budget: int, world_size: int) -> list
         load[lightest] += lengths[i]
     plans = []
     for share in shares:  # each share is longest first: a micro-batch's first row is its longest
-        batches = []
+        batches, tokens = [], []
         for i in share:
-            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
-                batches[-1].append(i)
+            if packed:  # (first fit, longest first: a few percent above the fewest micro-batches at most)
+                room = [j for j, n in enumerate(tokens) if n + lengths[i] <= budget][:1]
+            else:  # rows padded to the first (longest) row: only the last micro-batch may take more
+                fits = batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget
+                room = [len(batches) - 1] if fits else []
+            if room:
+                batches[room[0]].append(i)
+                tokens[room[0]] += lengths[i]
             else:
                 batches.append([i])
+                tokens.append(lengths[i])
         plans.append(batches)
     passes = max(len(batches) for batches in plans)
     return [batches + [[] for _ in range(passes - len(batches))] for batches in plans]

@@ -30,9 +30,15 @@ The last line: `real model: generation <x> tokens/s at batch <b> (<y> at batch 1
                over one rank, the whole prompts run, --before-micro-batch-tokens (train.py's
                default), each chunk's head recomputed in the backward; now: as train.py runs on CPUs
                (the prompts' shared prefix run once, logprobs.SharedPrefix; --micro-batch-tokens
-               2048; the head's logits kept).
+               2048, rows packed without padding; the head's logits kept).
      sync      the new weights into the engine (engine.sync_weights).
    Each phase: wall and process CPU seconds. The last line: `rl step speedup: <x>` (wall).
+4. --packing (instead of 1 and 2): one batch of rollouts as in 3, then the update the way train.py
+   runs it on CPUs, its micro-batches padded (rows x the longest row <= --micro-batch-tokens) and
+   packed (the rows back to back, their tokens <= the budget: logprobs.token_logprobs(packed=True)),
+   from the same weights and AdamW state, alternately, --rounds times each. The last line: `packed
+   update speedup: <x> (padding share <s>)`, the padding share being what the padded forward ran
+   beyond the packed one's tokens.
 """
 import argparse
 import contextlib
@@ -92,6 +98,9 @@ rl.add_argument("--before-micro-batch-tokens", type=int, default=8192,
                 help="the update's micro-batch budget before (train.py's default)")
 rl.add_argument("--fast-threads", type=int, default=0,
                 help="torch threads of the phases now (0: the process's, as before)")
+rl.add_argument("--packing", action="store_true",
+                help="time the update padded and packed (4) on one batch of rollouts, then exit")
+rl.add_argument("--rounds", type=int, default=2, help="--packing: timed updates per way")
 args = parser.parse_args()
 
 rng = random.Random(args.seed)
@@ -170,9 +179,11 @@ def keep(trajs):
     return kept, advantages
 
 
-def update(model, optimizer, kept, advantages, pad_id, now, clock):
-    """One optimizer step of train.py's policy loss on `kept` (one rank, one mini-batch). Returns the
-    tokens the forward ran (padding included)."""
+def update(model, optimizer, kept, advantages, pad_id, now, clock, packed=None):
+    """One optimizer step of train.py's policy loss on `kept` (one rank, one mini-batch); `packed`
+    (default: `now`) runs each micro-batch's rows back to back without padding. Returns the tokens the
+    forward ran (padding included)."""
+    packed = now if packed is None else packed
     from grpo_roc import policy_loss
     from training import trajectory_tensors
     n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))
@@ -183,14 +194,14 @@ def update(model, optimizer, kept, advantages, pad_id, now, clock):
     if shared:
         with clock.phase("forward"):
             prefix = SharedPrefix(model, torch.as_tensor(kept[0].prompt_ids[:shared]))
-    for micro_batch in plan_micro_batches(lengths, budget, 1)[0]:
+    for micro_batch in plan_micro_batches(lengths, budget, 1, packed=packed)[0]:
         input_ids, attention_mask, loss_mask, _ = trajectory_tensors([kept[i] for i in micro_batch], pad_id,
                                                                      torch.device("cpu"))
         adv = torch.tensor([advantages[i] for i in micro_batch])                               # (B,)
-        tokens_run += input_ids.numel() - len(micro_batch) * shared
+        tokens_run += int((attention_mask.sum() if packed else input_ids.numel()) - len(micro_batch) * shared)
         with clock.phase("forward"):
             logp = token_logprobs(model, input_ids, attention_mask, args.temperature, prefix=prefix,
-                                  recompute=not now)                                          # (B, T-1)
+                                  recompute=not now, packed=packed)                           # (B, T-1)
             loss, _ = policy_loss(logp, logp.detach(), adv, loss_mask, n_loss_tokens)
         with clock.phase("backward"):
             loss.backward()
@@ -204,6 +215,40 @@ def update(model, optimizer, kept, advantages, pad_id, now, clock):
     return tokens_run
 
 
+def trainer_and_engine(problems):
+    """train.py's pieces in one process: a group of one, the engine (the first weight sync untimed),
+    the FSDP2 model in fp32 and AdamW."""
+    from engine import full_weights, sync_weights
+    from training import init_distributed, load_sharded_model
+    init_distributed()  # a group of one, as train.py makes it, for FSDP2
+    max_len = max(len(prompt_ids(tok, p["question"])) for p in problems) + args.max_response
+    llm = make_engine(args.model, max_model_len=max_len, seed=args.seed, kv_cache_tokens=args.kv_cache_tokens)
+    model = load_sharded_model(args.model, torch.device("cpu")).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sync_weights(llm, full_weights(model, torch.float32))
+    return llm, model, optimizer
+
+
+def update_start(model, optimizer):
+    """AdamW's state made (untimed: a zero gradient at lr 0 allocates it); returns a function that puts
+    the weights and that state back, so that every timed update starts from the same point."""
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.param_groups[0]["lr"] = 0.0
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.param_groups[0]["lr"] = args.lr
+    start = [param.detach().clone() for param in model.parameters()]
+    optimizer_start = copy.deepcopy(optimizer.state_dict())
+
+    def restore():
+        with torch.no_grad():
+            for param, value in zip(model.parameters(), start):
+                param.copy_(value)
+        optimizer.load_state_dict(optimizer_start)
+    return restore
+
+
 def rl_step():
     """(3): both ways' phases, back to back; the table, then `rl step speedup: x`."""
     from batch import ProblemQueue
@@ -211,18 +256,12 @@ def rl_step():
     from rollout import RolloutConfig
     from sandbox import Sandbox
     from scheduler import rollout_scheduled
-    from training import init_distributed, load_sharded_model
     problems = step_problems()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    init_distributed()  # a group of one, as train.py makes it, for FSDP2
-    max_len = max(len(prompt_ids(tok, p["question"])) for p in problems) + args.max_response
-    llm = make_engine(args.model, max_model_len=max_len, seed=args.seed, kv_cache_tokens=args.kv_cache_tokens)
-    model = load_sharded_model(args.model, torch.device("cpu")).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    llm, model, optimizer = trainer_and_engine(problems)
     ways = {"before": False, "now": True}
     clocks = {name: Clock() for name in ways}
     threads = {"before": torch.get_num_threads(), "now": args.fast_threads or torch.get_num_threads()}
-    sync_weights(llm, full_weights(model, torch.float32))  # untimed: the first sync
     print(f"rl step: {len(problems)} problems x {args.rollouts} rollouts, G = {args.group_size}, up to "
           f"{args.max_response} tokens and {args.max_turns} turns; torch threads before {threads['before']}, "
           f"now {threads['now']}")
@@ -242,20 +281,9 @@ def rl_step():
 
     # the update: both ways on the first way's kept trajectories, from the same weights and AdamW state
     kept, advantages = keep(batches["before"])
-    for param in model.parameters():  # AdamW's state, untimed (a zero gradient at lr 0 allocates it)
-        param.grad = torch.zeros_like(param)
-    optimizer.param_groups[0]["lr"] = 0.0
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.param_groups[0]["lr"] = args.lr
-    start = [param.detach().clone() for param in model.parameters()]
-    optimizer_start = copy.deepcopy(optimizer.state_dict())
-    tokens_run = {}
+    restore, tokens_run = update_start(model, optimizer), {}
     for name, now in ways.items():
-        with torch.no_grad():
-            for param, value in zip(model.parameters(), start):
-                param.copy_(value)
-        optimizer.load_state_dict(optimizer_start)
+        restore()
         SET_THREADS(threads[name])
         with clocks[name].phase("update"):
             tokens_run[name] = update(model, optimizer, kept, advantages, pad_id, now, clocks[name])
@@ -281,8 +309,53 @@ def rl_step():
     print(f"rl step speedup: {wall['before'] / wall['now']:.2f}")
 
 
+def packing():
+    """(4): one batch of rollouts, then its update padded and packed from the same weights and AdamW
+    state, alternately, --rounds times each; the table, then `packed update speedup: x`."""
+    from batch import ProblemQueue
+    from engine import model_eos_ids
+    from rollout import RolloutConfig
+    from sandbox import Sandbox
+    from scheduler import rollout_scheduled
+    problems = step_problems()
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    llm, model, optimizer = trainer_and_engine(problems)
+    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
+                        temperature=args.temperature, seed=args.seed, eos_ids=model_eos_ids(args.model))
+    with Sandbox(timeout=5.0) as sandbox:
+        trajs, _ = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.rollouts, cfg,
+                                     ProblemQueue())
+    kept, advantages = keep(trajs)
+    restore, clocks, tokens_run, results = update_start(model, optimizer), {}, {}, {}
+    lengths = [t.prompt_length + t.response_length for t in kept]
+    print(f"packing: {len(kept)} kept trajectories of {min(lengths)}-{max(lengths)} tokens, micro-batches of "
+          f"{args.micro_batch_tokens} tokens, the shared prefix once, {args.rounds} rounds")
+    for _ in range(args.rounds):
+        for name in ("padded", "packed"):
+            restore()
+            clock = clocks.setdefault(name, Clock())
+            with clock.phase("update"):
+                tokens_run[name] = update(model, optimizer, kept, advantages, pad_id, True, clock,
+                                          packed=name == "packed")
+            results[name] = [param.detach().clone() for param in model.parameters()]
+    drift = max((a - b).abs().max().item() for a, b in zip(results["padded"], results["packed"]))
+    share = 1 - tokens_run["packed"] / tokens_run["padded"]
+    print(f"the forward ran {tokens_run['padded']} tokens padded, {tokens_run['packed']} packed (padding "
+          f"{share:.1%}); the weights after the step differ by {drift:.1e} at most")
+    print(f"{'phase':>11}  {'padded s':>8}  {'cpu s':>7}  {'packed s':>8}  {'cpu s':>7}  {'ratio':>6}")
+    for phase in ["update", "forward", "backward", "optimizer"]:
+        padded, packed = clocks["padded"], clocks["packed"]
+        print(f"{phase:>11}  {padded.wall[phase]:8.1f}  {padded.cpu[phase]:7.1f}  {packed.wall[phase]:8.1f}  "
+              f"{packed.cpu[phase]:7.1f}  {padded.wall[phase] / max(packed.wall[phase], 1e-9):6.2f}")
+    speedup = clocks["padded"].wall["update"] / clocks["packed"].wall["update"]
+    print(f"packed update speedup: {speedup:.2f} (padding share {share:.1%}, load {load():.1f})")
+
+
 if args.rl_step:
     rl_step()
+    sys.exit(0)
+if args.packing:
+    packing()
     sys.exit(0)
 
 # -----------------------------------------------------------------------------

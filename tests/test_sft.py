@@ -132,6 +132,19 @@ def test_micro_batches_fit_the_budget_cover_every_sequence_and_balance_ranks():
     assert plan_micro_batches([8], budget=40, world_size=2) == [[[0]], [[]]], "a rank with nothing gets an empty pass"
 
 
+def test_packed_micro_batches_count_tokens_not_padding_and_need_fewer_passes():
+    lengths = [5, 30, 12, 7, 30, 1, 19, 9]
+    (packed,) = plan_micro_batches(lengths, budget=40, world_size=1, packed=True)
+    (padded,) = plan_micro_batches(lengths, budget=40, world_size=1)
+    assert sorted(i for mb in packed for i in mb) == list(range(len(lengths))), "a sequence was lost"
+    for mb in packed:
+        assert sum(lengths[i] for i in mb) <= 40, f"packed micro-batch {mb} is over the token budget"
+    # first fit, longest first: 30+9+1 | 30+7 | 19+12+5 (the 9 fills the first one's room, not a fourth)
+    assert packed == [[1, 7, 5], [4, 3], [6, 2, 0]]
+    assert len(packed) < len(padded), "packing must need fewer passes than padding here"
+    assert plan_micro_batches([50, 3], budget=40, world_size=1, packed=True) == [[[0], [1]]], \
+        "a sequence over the budget goes alone"
+
 def test_lr_warms_up_linearly_then_decays_by_cosine():
     lr = lambda s: sft.lr_at(s, total_steps=100, warmup_steps=4, lr=1.0)  # noqa: E731
     assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

@@ -94,6 +94,45 @@ def test_a_shared_prefix_run_once_gives_the_log_probs_and_gradients_of_whole_row
             assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-7, "gradients differ"
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_packed_rows_give_the_loss_and_gradients_of_padded_rows(shared_prefix, attention):
+    """The policy loss of trajectory-shaped rows (different lengths, a masked tool span, advantages of
+    both signs), padded as before and packed back to back, on a 2-layer fp32 model: the same log-probs,
+    loss and gradients within float tolerance, with the prompts' shared prefix run once or not. A
+    sequence that attended to the one before it, or whose positions ran on, would change them all."""
+    from grpo_roc import policy_loss
+    model = random_model(tie=True, layers=2)
+    model.config._attn_implementation = attention
+    torch.manual_seed(2)
+    shared = torch.randint(0, 8192, (9,)).tolist()
+    rows = [shared + torch.randint(0, 8192, (n,)).tolist() for n in (12, 3, 7, 1, 20)]
+    input_ids = right_pad(rows, 0)                                                      # (B, T)
+    attention_mask = right_pad([[1] * len(row) for row in rows], 0)                     # (B, T)
+    loss_mask = attention_mask[:, 1:].clone()                                           # (B, T-1)
+    loss_mask[:, :8] = 0  # the prompt
+    loss_mask[4, 12:16] = 0  # a tool turn inside the longest response
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3])                              # (B,)
+    old = token_logprobs(model, input_ids, attention_mask, 0.7).detach() - 0.1 * loss_mask  # (B, T-1)
+
+    def run(packed):
+        model.zero_grad()
+        prefix = SharedPrefix(model, torch.tensor(shared)) if shared_prefix else None
+        logp = token_logprobs(model, input_ids, attention_mask, 0.7, 5, prefix, packed=packed)  # (B, T-1)
+        loss, _ = policy_loss(logp, old, advantages, loss_mask, int(loss_mask.sum()))
+        loss.backward()
+        if prefix is not None:
+            prefix.backward()
+        return logp.detach() * loss_mask, loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (want, want_loss, want_grads), (got, got_loss, got_grads) = run(packed=False), run(packed=True)
+    assert got.shape == want.shape, "packed log-probs must come back in the padded layout"
+    assert torch.allclose(got, want, atol=1e-5), f"packed log-probs differ by {(got - want).abs().max()}"
+    assert torch.allclose(got_loss, want_loss, atol=1e-6), f"packed loss {got_loss} != padded {want_loss}"
+    for a, b in zip(got_grads, want_grads):  # fp32 sums in another order: ~1e-6 of the largest entry
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-7, "packed gradients differ from padded ones"
+
+
 def test_a_shared_prefix_is_refused_where_the_model_would_drop_its_cache():
     """transformers drops past_key_values under gradient checkpointing: the prefix would silently vanish."""
     model = random_model()
@@ -377,14 +416,61 @@ def test_offloading_the_trainer_around_each_rollout_trains_bit_for_bit_the_same(
         torch.manual_seed(0)
         for _ in range(3):
             with trainer_offloaded(model, optimizer, torch.device("cpu"), offload):
-                moved = [p.to_local().data_ptr() for p in model.parameters()]  # (the rollout runs here)
+                # (the rollout runs here)
+                moved = [p.to_local().untyped_storage().nbytes() for p in model.parameters()]
             trained_steps(model, optimizer, 1)
         assert list(model.parameters()) == params, "the optimizer must still hold the model's parameters"
         runs.append(({k: v.full_tensor() for k, v in model.state_dict().items()}, optimizer.state_dict()))
-    assert moved != [p.to_local().data_ptr() for p in model.parameters()], "nothing was moved and back"
+    assert moved == [0] * len(params), "the weights' memory on the device was not freed for the engine"
     (weights, optim), (weights_offloaded, optim_offloaded) = runs
     assert all(torch.equal(weights[k], weights_offloaded[k]) for k in weights), "offloading changed training"
     for state, state_offloaded in zip(optim["state"].values(), optim_offloaded["state"].values()):
         assert all(torch.equal(state[k].full_tensor() if hasattr(state[k], "full_tensor") else state[k],
                                state_offloaded[k].full_tensor() if hasattr(state_offloaded[k], "full_tensor")
                                else state_offloaded[k]) for k in state), "the moments differ"
+
+
+def test_the_host_buffers_are_allocated_once_at_the_exact_size_and_reused_every_round():
+    """The first offload (at start-up, before AdamW has moments) already allocates the moments' host
+    buffers; every later round copies into the same buffers (a fresh pinned page costs 20x a reused
+    one on a GPU), and they hold exactly the fp32 weights and two moments: memory_plan's 12P/N."""
+    from engine import trainer_offloaded
+    from training import init_distributed, shard_model
+    init_distributed()
+    model = shard_model(random_model(layers=2, seed=3), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n_params = sum(p.numel() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    rounds = []
+    for _ in range(3):
+        with trainer_offloaded(model, optimizer, torch.device("cpu")) as host:
+            rounds.append(sorted(buffer.data_ptr() for buffer in host))
+            held = sum(buffer.numel() for buffer in host)
+        trained_steps(model, optimizer, 1)
+    assert held == 12 * n_params + buffer_bytes, f"host buffers of {held} bytes, not the plan's 12P"
+    assert rounds[0] == rounds[1] == rounds[2], "host buffers were allocated again after the first offload"
+
+
+def test_expandable_segments_are_on_for_training_and_off_while_the_engine_is_awake():
+    """load_sharded_model turns them on, trainer_offloaded off for its block (the engine wakes in it)
+    and on after, offloading or not; the allocator's other settings stay (torch resets what a
+    settings string leaves out)."""
+    from engine import trainer_offloaded
+    from training import expandable_segments, init_distributed, shard_model
+    before = torch._C._accelerator_getAllocatorSettings()
+    init_distributed()
+    model = shard_model(random_model(layers=1), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    try:
+        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:512")
+        expandable_segments(True)
+        settings = torch._C._accelerator_getAllocatorSettings
+        for offload in (False, True):
+            assert settings() == "max_split_size_mb:512,expandable_segments:True"
+            with trainer_offloaded(model, optimizer, torch.device("cpu"), offload):
+                assert settings() == "max_split_size_mb:512,expandable_segments:False", \
+                    "expandable segments on while the engine wakes"
+        assert torch._C._accelerator_getAllocatorSettings().endswith("expandable_segments:True"), \
+            "expandable segments must come back on for training"
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before or "expandable_segments:False")
