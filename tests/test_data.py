@@ -505,15 +505,16 @@ def test_the_hub_is_found_unreachable_within_the_timeout_whether_refused_or_sile
 
 def test_without_network_each_script_says_so_once_at_once_and_what_to_do(no_hub, tmp_path):
     local = write_benchmarks(tmp_path)
-    code, out, err = run("prepare_eval.py", "--out-dir", tmp_path / "eval", "--benchmarks", "aime24", "aime25",
-                         "hmmt25", "--local", local[0])
+    code, out, err = run("prepare_eval.py", "--out-dir", tmp_path / "eval",
+                         "--benchmarks", "aime24", "aime25", "hmmt25", "--local", local[0])
     assert code != 0 and "aime24: 3 problems" in out, "a benchmark on disk is still written"
     failures = [line for line in err.split("\n") if ": FAILED to read" in line]
     assert len(failures) == 2 and all("cannot be reached" in f for f in failures), err
     assert "--local hmmt25=FILE" in err and err.count("HF_HUB_OFFLINE=1") == 2, err
 
     write_jsonl(tmp_path / "b.jsonl", BENCH["aime24"])
-    code, out, err = run("prepare_rl.py", "--out", tmp_path / "rl.jsonl", "--benchmarks", tmp_path / "b.jsonl")
+    code, out, err = run("prepare_rl.py", "--out", tmp_path / "rl.jsonl",
+                         "--benchmarks", tmp_path / "b.jsonl")
     assert code != 0 and "dapo: cannot read from the hub" in err and "dapo: reading" not in out, err
     assert "--local dapo=FILE" in err and "HF_HUB_OFFLINE=1" in err, err
 
