@@ -175,9 +175,9 @@ def sleep(llm) -> None:
 
 def wake_for_rollout(llm) -> None:
     """Wake what still sleeps (after a sync, only the KV cache); the scheduler resumes once all is.
-    Weights still asleep were dropped (level 2): woken, they would hold whatever the GPU memory held."""
+    Weights still asleep at level 2 were dropped: woken, they would hold whatever the memory held."""
     asleep = _sleeping(llm)
-    if "weights" in asleep:
+    if "weights" in asleep and SLEEP_LEVEL == 2:
         raise RuntimeError("the engine's weights were dropped when it slept and nothing has loaded them "
                            "since\n---> HINT: sync_weights(llm, full_weights(model, dtype)) between "
                            "sleep(llm) and wake_for_rollout(llm)")
