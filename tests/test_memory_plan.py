@@ -44,7 +44,8 @@ def test_pinned_host_memory_is_counted_in_powers_of_two_per_allocation():
     s = Shape.of(KNOWN["Qwen3-14B"])
     assert sorted(weight_allocations(s)) == sorted([70 * MiB, 50 * MiB, 340 * MiB, 170 * MiB] * 40
                                                    + [1484 * MiB] * 2 + [20 * MiB])
-    assert sum(map(pinned_bytes, weight_allocations(s))) == (40 * 960 + 2 * 2048 + 32) * MiB  # 41.5 GiB, not 27.5
+    pinned = sum(map(pinned_bytes, weight_allocations(s)))
+    assert pinned == (40 * 960 + 2 * 2048 + 32) * MiB, "41.5 GiB of pinned memory for 27.5 GiB of weights"
     level = {n: plan(KNOWN["Qwen3-14B"], **STAGE1, sleep_level=n).host["engines asleep: pinned backups"]
              for n in (1, 2)}
     assert level == {2: 8 * 512 * MiB, 1: 8 * (512 + 40 * 960 + 2 * 2048 + 32) * MiB}, \
