@@ -198,7 +198,8 @@ def test_a_sync_writes_every_engine_parameter_so_dropped_weights_lose_nothing(bl
         unwritten = [n for n, p in engine_model.named_parameters() if p.isnan().any()]
         assert not unwritten, f"the sync left {unwritten} as the sleep left them"
         embeddings = dict(engine_model.named_parameters())["model.embed_tokens.weight"]
-        assert torch.equal(embeddings, trainer.model.embed_tokens.weight), "the sync wrote other values"
+        vocab = trainer.config.vocab_size  # (vLLM pads the vocabulary to a multiple of 64: zero rows)
+        assert torch.equal(embeddings[:vocab], trainer.model.embed_tokens.weight), "the sync wrote others"
     finally:  # (the engine goes on with its random weights, as the other tests expect of it)
         with torch.no_grad():
             for n, p in engine_model.named_parameters():
