@@ -3,16 +3,19 @@
 Every vLLM-specific detail the project relies on lives here, one named function each, written
 against vllm 0.32 (what each does and why is in its docstring):
 1. make_engine: bf16 with sleep mode on GPUs; fp32, eager, a KV cache sized in tokens on CPUs; in
-   process (its tensors are handed over as tensors); with random weights (vLLM's dummy load format)
-   when the trainer syncs its own before the first rollout, so no rank reads the checkpoint twice.
-2. sync_weights: the trainer's weights (full_weights: gathered from the FSDP2 shards one parameter
-   at a time) loaded in place (`reload_weights`), the prefix cache reset.
-3. sleep / wake_for_rollout: the engine's GPU memory given to training and taken back; and the
-   mirror image, trainer_offloaded: the trainer's state in host memory while the engine rolls out.
+   process (its tensors are handed over as tensors); vLLM's V1 model runner on GPUs as on CPUs (the
+   runner every test runs); a seed of its own per rank (engine_seed); with random weights (vLLM's
+   dummy load format) when the trainer syncs its own before the first rollout, so no rank reads the
+   checkpoint twice.
+2. sync_weights: the trainer's weights (full_weights: each FSDP2 shard cast to the engine's dtype, then
+   gathered, one parameter at a time) loaded in place (`reload_weights`), the prefix cache reset.
+3. sleep / wake_for_rollout: the engine's GPU memory given to training (level 2: the weights dropped,
+   as the next sync overwrites every one of them) and taken back; and the mirror image,
+   trainer_offloaded: the trainer's state in host memory while the engine rolls out.
 4. kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
 5. model_eos_ids, turn_tokens: where vLLM ends a turn on its own, and a finished turn's ids and log-probs.
-On a GPU a step cycles: rollout (awake) -> sleep (weights to host memory, KV cache freed) ->
-training -> sync_weights (the weights woken, nothing else) -> wake_for_rollout (the KV cache).
+On a GPU a step cycles: rollout (awake) -> sleep (weights and KV cache dropped) -> training ->
+sync_weights (the weights woken and written, nothing else) -> wake_for_rollout (the KV cache).
 """
 import contextlib
 import os
@@ -41,25 +44,47 @@ def add_engine_flags(group, memory_fraction) -> None:
                        help=f"CPUs: the engine's KV cache in tokens (default {CPU_KV_CACHE_TOKENS})")
 
 
+def engine_seed(seed: int, rank: int) -> int:
+    """The engine seed of a rank. vLLM seeds Python's, numpy's and torch's generators with it
+    (vllm/utils/torch_utils.py set_random_seed), and requests without a seed of their own draw their
+    noise from those: V1 from torch's (v1/sample/ops/topk_topp_sampler.py random_sample, forward_cpu), V2
+    a per-request seed from numpy's (v1/worker/gpu/sample/states.py). Under torchrun every rank's engine
+    is a data-parallel index 0 (config/parallel.py), so one seed for all would give the k-th request of
+    every rank the same noise. Rank 0 keeps `seed` (a one-rank run is unchanged); the others derive
+    theirs as vLLM does for its own data-parallel engines (torch_utils.py set_random_seed)."""
+    if rank == 0:
+        return seed
+    import numpy as np
+    return int(np.random.SeedSequence((seed, rank)).generate_state(1)[0])
+
+
 def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: float | None = None,
-                kv_cache_tokens: int | None = None, external_launcher: bool = False, weights: bool = True):
+                kv_cache_tokens: int | None = None, external_launcher: bool = False, weights: bool = True,
+                rank: int | None = None):
     """The vLLM engine for this hardware. GPUs: bf16, sleep mode, `memory_fraction` of the GPU for
     weights and KV cache (default 0.5). CPUs: fp32, eager mode, a KV cache of `kv_cache_tokens` tokens.
     (vLLM 0.32 on CPU turns a fraction into fraction x the NUMA node's memory minus this process's RSS,
     which is negative on a machine with an 11 GB node: the cache is sized in bytes.) weights=False: the
-    weights are random until the first sync_weights (the checkpoint is not read: 8 x 29.5 GB at 14B)."""
+    weights are random until the first sync_weights (the checkpoint is not read: 8 x 29.5 GB at 14B).
+    rank: whose engine seed (engine_seed); default torchrun's RANK, else 0."""
     # In-process engine core: weights are handed over as tensors (sync_weights) and its sleeping tags
     # read in process (_sleeping); a multiprocess core can do neither (the iterator is not picklable).
     if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
         raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING=1 asks for an engine in another process, which "
                            "cannot take the trainer's weights as tensors nor say what sleeps\n---> HINT: "
                            "unset it (or set it to 0): every engine here runs in its rank's process")
+    # vLLM 0.32 runs its Model Runner V2 on GPUs and V1 where Triton is missing, as on CPUs
+    # (config/vllm.py use_v2_model_runner): sampling, log-probs, sleep and reload_weights are tested on
+    # V1, so GPUs run V1 too. VLLM_USE_V2_MODEL_RUNNER=1 asks for V2 (docs/gpu.md).
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     import torch
     from vllm import LLM
     # The sampler reports log-probs of the distribution it drew from (after temperature), the
     # distribution the trainer scores (training.token_logprobs divides by the same temperature).
-    kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
-                  logprobs_mode="processed_logprobs", load_format="auto" if weights else "dummy")
+    kwargs = dict(model=model, seed=engine_seed(seed, rank), max_model_len=max_model_len,
+                  enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                  load_format="auto" if weights else "dummy")
     if torch.cuda.is_available():
         share = float(memory_fraction or 0.5)  # (a flag's string, or the memory plan's number)
         kwargs.update(dtype="bfloat16", enable_sleep_mode=True, gpu_memory_utilization=share)
@@ -108,13 +133,16 @@ def _sleeping(llm) -> set[str]:
 
 
 def full_weights(model, dtype):
-    """(HF name, full tensor in `dtype`) one parameter at a time, for sync_weights: each is gathered
-    from its FSDP2 shards and converted only when asked for, and nothing here keeps it after. Tied
+    """(HF name, full tensor in `dtype`) one parameter at a time, for sync_weights: each FSDP2 shard is
+    cast to `dtype`, then gathered (the cast is elementwise: the same values as gathering, then casting,
+    with half the traffic of fp32 for bf16), when asked for, and nothing here keeps it after. Tied
     weights go under both names (embed_tokens and lm_head): embed_tokens alone left vLLM 0.32's CPU
     engine half-updated (tests/test_real.py syncs SmolLM2's tied pair)."""
     for name, tensor in model.state_dict().items():
-        gathered = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        yield name, gathered.to(dtype)
+        shard = tensor.to(dtype)  # (a DTensor stays one, sharded as before)
+        gathered = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
+        del shard
+        yield name, gathered
         del gathered  # (before the next one is gathered)
 
 
@@ -130,16 +158,30 @@ def sync_weights(llm, named_tensors) -> None:
     llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
 
 
+SLEEP_LEVEL = 2  # what sleep() drops (2: weights and KV cache; 1: the weights copied to host memory)
+
+
 def sleep(llm) -> None:
-    """Free GPU memory for training: weights to host memory, KV cache dropped (level 1). A no-op
-    on CPUs (no sleep mode there)."""
+    """Free GPU memory for training: the weights and the KV cache dropped (level 2). The next
+    sync_weights writes every weight, so level 1's copy of them to pinned host memory and back (2 x
+    27.5 GiB per GPU and step at 14B) would be thrown away. vLLM 0.32 keeps at level 2 what the sync
+    does not write: the model's buffers (rotary tables, attention scales) are copied to host memory and
+    back on the next wake of the weights (v1/worker/gpu_worker.py sleep, wake_up), the "runtime" pool is
+    backed up at every level (device_allocator/sleep_mode_backend.py), and the CUDA graphs stay on the
+    GPU. A no-op on CPUs (no sleep mode there); tests/test_engine.py checks that a sync writes every
+    parameter."""
     if llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
-        llm.sleep(level=1)
+        llm.sleep(level=SLEEP_LEVEL)
 
 
 def wake_for_rollout(llm) -> None:
-    """Wake what still sleeps (after a sync, only the KV cache); the scheduler resumes once all is."""
+    """Wake what still sleeps (after a sync, only the KV cache); the scheduler resumes once all is.
+    Weights still asleep at level 2 were dropped: woken, they would hold whatever the memory held."""
     asleep = _sleeping(llm)
+    if "weights" in asleep and SLEEP_LEVEL == 2:
+        raise RuntimeError("the engine's weights were dropped when it slept and nothing has loaded them "
+                           "since\n---> HINT: sync_weights(llm, full_weights(model, dtype)) between "
+                           "sleep(llm) and wake_for_rollout(llm)")
     if asleep:
         llm.wake_up(tags=sorted(asleep))
 

@@ -14,7 +14,9 @@ of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
    max_num_batched_tokens, a sampler pass of max_num_seqs x V in fp32) and the KV cache, which is
    what the share leaves. Beside it the trainer's fp32 weights and AdamW moments (12P/N), unless
    they are offloaded to pinned host memory (6. below), which leaves the engine 12P/N more.
-3. Training (forward and backward, engine asleep: only its buffers outside the sleep pools stay):
+3. Training (forward and backward, engine asleep: its CUDA graphs and the buffers outside the sleep
+   pools stay on the GPU, as vLLM keeps graphs in its sleep pool only with sleep_mode_offload_cudagraph,
+   off by default: config/model.py, config/vllm.py use_cumem_cudagraph_pool):
    weights, gradients, moments (16P/N); the root (embeddings, head) gathered in bf16 through forward
    and backward; two decoder layers gathered; each layer's input kept (activation checkpointing),
    the padding mask. The peak is the largest of three moments of the backward:
@@ -27,20 +29,22 @@ of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
    Training and the optimizer step also count the caching allocator's reserve beyond the tensors it
    holds: the trainer allocates in expandable segments (training.expandable_segments), a fraction
    then (RESERVED_OVER_ALLOCATED).
-5. Weight sync (engine.sync_weights): the engine's weights and CUDA graphs woken, not its KV cache,
-   beside the trainer's 12P/N; vLLM's layerwise reload keeps each incoming bf16 tensor of a module
-   until the module is complete, then builds the module on the GPU and copies it into the woken
-   weights, while the trainer holds the last tensor's fp32 gather: 2 x module + 2 x module + 4 x its
-   last tensor, largest for the embeddings or the head (8 bytes x V x h).
+5. Weight sync (engine.sync_weights): the engine's weights woken, not its KV cache, beside the
+   trainer's 12P/N; vLLM's layerwise reload keeps each incoming bf16 tensor of a module until the
+   module is complete, then builds the module on the GPU and copies it into the woken weights; the
+   trainer casts each shard to bf16 before gathering it: 2 x module + 2 x module + 2 x its last
+   tensor (the gather's buffer), largest for the embeddings or the head (6 bytes x V x h).
 Every phase also pays the CUDA context and NCCL's buffers, and keeps a margin free.
 6. Offload (offload_trainer): the trainer's fp32 shards and moments (12P/N) go to pinned host memory
    after the sync (and checkpoint, export) and come back after the engine sleeps: 24P/N bytes per
    step per GPU over PCIe. "auto" offloads when that at least doubles the rollouts the engine holds
    at their longest, or when nothing fits without it. The engine must start after the offload: vLLM
    asks for its share of the GPU free at start-up.
-7. Host memory of the busiest node (node 0): the sleeping engines' pinned weights and CUDA graphs,
-   the offloaded trainer state, the trajectories (each rank's own rollouts, lists until they are
-   scored, and every trajectory's numbers: batch.ProblemQueue), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
+7. Host memory of the busiest node (node 0): the sleeping engines' pinned backups (level 2: only the
+   runtime pool; level 1 also every weight allocation, each rounded up to a power of two by torch's
+   pinned allocator, which keeps the blocks once freed: pinned_bytes), the offloaded trainer state, the
+   trajectories (each rank's own rollouts, lists until they are scored, and every trajectory's numbers:
+   batch.ProblemQueue), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
    workers, each rank's process. (Rank 0 reads the model, 4P, at start-up, before any of these; a
    sandbox call may use up to its memory cap, 1 GiB, while it runs: not counted.)
 The engine's share goes to vLLM as gpu_memory_utilization (memory_fraction), not as the KV cache's
@@ -51,6 +55,8 @@ These are estimates from parameter counts and read sources, not measurements: do
 run checklist says how to check them. The sources named are vLLM 0.32's and torch 2.13's.
 """
 from dataclasses import dataclass
+
+from engine import SLEEP_LEVEL
 
 GiB = 2**30
 MiB = 2**20
@@ -66,7 +72,8 @@ GPUS_PER_NODE = 8
 #   also requires utilization x total <= the free memory when the engine starts.
 CUDA_GRAPHS = 1 * GiB     # an estimate of the graph pool: vLLM measures it (gpu_model_runner.py
 #   profile_cudagraph_memory) for the capture sizes of config/vllm.py (1, 2, 4, 8..248 by 8,
-#   256..512 by 16), and logs "CUDA graph pool memory: ... (actual), ... (estimated)"
+#   256..512 by 16), and logs "CUDA graph pool memory: ... (actual), ... (estimated)". It stays on the
+#   GPU while the engine sleeps (sleep_mode_offload_cudagraph is off by default: config/model.py)
 ENGINE_BUFFERS = GiB // 2  # the runner's other persistent buffers, block tables, attention metadata,
 #   non-torch allocations (cuBLAS, Triton): an estimate
 # engine/arg_utils.py get_batch_defaults, the LLM class: (max_num_batched_tokens, max_num_seqs); GPUs
@@ -189,9 +196,9 @@ class Shape:
         """The weight sync's transient (vllm/model_executor/model_loader/reload/layerwise.py): the
         online loader buffers each incoming bf16 tensor of a vLLM module until the module's count is
         complete, then _layerwise_process materialises the module on the GPU (materialize_layer),
-        loads the buffered tensors into it and copies it into the woken weights. While it does, the
-        trainer holds the fp32 gather of the tensor that completed it (training.full_weights deletes
-        it when asked for the next): 2 x module + 2 x module + 4 x last tensor, for each module kind
+        loads the buffered tensors into it and copies it into the woken weights. The trainer gathers
+        each tensor in bf16 (engine.full_weights casts the shard first), into a buffer padded to
+        whole shards beside the result: 2 x module + 2 x module + 2 x last tensor, for each module kind
         of a Qwen/Llama model (qkv_proj from q, k, v; gate_up_proj from gate, up; single tensors)."""
         h = self.hidden
         embeddings = self.vocab * h                                   # the embeddings, and the head
@@ -199,7 +206,38 @@ class Shape:
         gate_up = 2 * h * self.mlp
         modules = [(embeddings, embeddings), (qkv, h * self.kv_width), (gate_up, h * self.mlp),
                    (h * self.q_width, h * self.q_width), (h * self.mlp, h * self.mlp)]
-        return max(4 * size + 4 * last for size, last in modules)
+        return max(4 * size + 2 * last for size, last in modules)
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """The pinned host memory an allocation of `nbytes` holds: torch 2.13's caching host allocator
+    rounds every request up to a power of two and keeps the block once freed, for the next request of
+    its size (ATen/core/CachingHostAllocator.h allocate, free; pinned_max_round_threshold and
+    pinned_max_cached_size are unlimited unless PYTORCH_CUDA_ALLOC_CONF sets them)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def weight_allocations(s: Shape) -> list[int]:
+    """The engine's bf16 weights as the allocations of vLLM's sleep pool, each of which a level-1 sleep
+    backs up into a pinned tensor of its own (device_allocator/cumem.py sleep). torch's caching
+    allocator gives a tensor of 10 MiB and more its own segment rounded up to 2 MiB and packs the
+    others into 20 MiB (over 1 MiB) and 2 MiB segments (c10/core/AllocatorConfig.h kMinLargeAlloc,
+    kRoundLarge, kLargeBuffer, kSmallBuffer); per layer vLLM fuses q, k, v and gate, up."""
+    h = s.hidden
+    layer = [h * (s.q_width + 2 * s.kv_width), h * s.q_width, 2 * h * s.mlp, s.mlp * h]
+    tensors = [2 * n for n in layer * s.layers + [s.vocab * h] * (1 if s.tied else 2)]
+    # norms, q/k norms, Qwen2.5's q/k/v biases: small, packed
+    small = 2 * (s.layers * (2 * h + 2 * s.head_dim + s.q_width + 2 * s.kv_width) + h)
+    segments = [-(-n // (2 * MiB)) * 2 * MiB for n in tensors if n >= 10 * MiB]
+    packed = sum(n for n in tensors if n < 10 * MiB) + small
+    return segments + [20 * MiB] * -(-packed // (20 * MiB))
+
+
+def engine_host_backup(s: Shape, sleep_level: int) -> int:
+    """The pinned host memory one sleeping engine keeps (its blocks stay cached when it wakes): its
+    runtime pool at every level (an estimate, ENGINE_BUFFERS) and, at level 1, its weights."""
+    allocations = [ENGINE_BUFFERS] + (weight_allocations(s) if sleep_level == 1 else [])
+    return sum(pinned_bytes(n) for n in allocations)
 
 
 def vllm_batch(gpu_gib: float) -> tuple[int, int]:
@@ -266,10 +304,13 @@ class Plan:
 
 def _engine(s: Shape, gpu_gib: float) -> tuple[dict, dict]:
     """The engine's terms awake (all but its KV cache), and those that stay on the GPU while it sleeps:
-    the buffers it allocates outside vLLM's sleep pools (device_allocator/sleep_mode_backend.py:
-    level 1 backs up the "weights", "runtime" and "cudagraph" pools to host memory, drops the rest)."""
+    its CUDA graphs (outside the sleep pools unless sleep_mode_offload_cudagraph: config/vllm.py
+    use_cumem_cudagraph_pool, compilation/cudagraph_pool.py capture_pool) and the buffers it allocates
+    outside the pools (device_allocator/sleep_mode_backend.py: sleep backs up the "runtime" pool to
+    host memory, and at level 1 the "weights", and drops the rest)."""
     batched_tokens, seqs = vllm_batch(gpu_gib)
-    asleep = {"engine: buffers": (batched_tokens * s.hidden * 2            # the runner's inputs_embeds
+    asleep = {"engine: CUDA graphs (on the GPU asleep too)": CUDA_GRAPHS,
+              "engine: buffers": (batched_tokens * s.hidden * 2            # the runner's inputs_embeds
                                   + SAMPLER_TRITON_ROWS * s.vocab * 4      # the top-k/top-p buffer
                                   + ENGINE_BUFFERS)}
     # the profile (gpu_model_runner.py profile_run): a forward of max_num_batched_tokens (at its MLP:
@@ -277,7 +318,7 @@ def _engine(s: Shape, gpu_gib: float) -> tuple[dict, dict]:
     # output, 8 per hidden unit), then the sampler over max_num_seqs rows with the hidden states kept
     forward = batched_tokens * (8 * s.hidden + 6 * s.mlp)
     sampler = seqs * s.vocab * SAMPLER_BYTES_PER_LOGIT + batched_tokens * s.hidden * 2
-    awake = {"engine: bf16 weights": 2 * s.params, "engine: CUDA graphs": CUDA_GRAPHS, **asleep,
+    awake = {"engine: bf16 weights": 2 * s.params, **asleep,
              "engine: profile's transient peak": max(forward, sampler)}
     return awake, asleep
 
@@ -345,8 +386,8 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
                "a module in full (fp32)": 4 * max(s.embedding_params, s.layer_params)}
     resume = {**max(initialised, loading, key=lambda terms: sum(terms.values())), **engine_asleep, **context}
     # 5. the trainer's state is still on the GPU: it offloads after the sync
-    sync = {**trainer_state, "engine: bf16 weights": 2 * p, "engine: CUDA graphs": CUDA_GRAPHS,
-            **engine_asleep, "reload: a module's tensors, its copy, an fp32 gather": s.reload_peak_bytes,
+    sync = {**trainer_state, "engine: bf16 weights": 2 * p, **engine_asleep,
+            "reload: a module's tensors, its copy, a gather's buffer": s.reload_peak_bytes,
             **context}
     phases = {"resume": resume, "rollout": rollout, "training": training, "optimizer step": step,
               "sync": sync}
@@ -355,11 +396,11 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
 
 def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_tokens: int,
          offload: str = "auto", logprob_chunk: int = 1024, rollouts_per_step: int = 512 * 32,
-         cores_per_node: int = 224) -> Plan:
+         cores_per_node: int = 224, sleep_level: int = SLEEP_LEVEL) -> Plan:
     """The plan for `ranks` GPUs of `gpu_gib` GiB each, training in bf16 with fp32 master weights.
     offload: "on", "off" or "auto" (see the module's docstring, 6). rollouts_per_step: the whole batch
     every rank holds (the paper's 512 problems x 32); cores_per_node: the hardware threads the sandbox
-    divides (a DGX H100 has 224)."""
+    divides (a DGX H100 has 224); sleep_level: engine.sleep's."""
     if offload not in ("auto", "on", "off"):
         raise ValueError(f"offload={offload!r}\n---> HINT: offload_trainer is one of auto, on, off")
     s = Shape.of(config)
@@ -383,7 +424,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     slots = per_node * max(1, cores_per_node // per_node - 1)  # sandbox.default_workers on every rank
     # The trainer's host buffers are allocated once and kept (engine.trainer_offloaded), each at its
     # exact size: registered pageable memory, not torch's pinned pool, which rounds up to a power of two.
-    host = {"engines asleep: pinned weights, CUDA graphs": per_node * (2 * p + CUDA_GRAPHS),
+    host = {"engines asleep: pinned backups": per_node * engine_host_backup(s, sleep_level),
             "trainer offloaded: pinned fp32 weights, moments": per_node * 12 * p // ranks if chosen else 0,
             "trajectories: each rank's own, every one's numbers":
                 per_node * (whole_batch // ranks * TRAJECTORY_BYTES + rollouts_per_step * NUMBERS_BYTES),

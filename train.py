@@ -197,7 +197,7 @@ stream = ProblemStream(problems, args.seed)
 with trainer_offloaded(model, optimizer, device, offload):  # (vLLM wants its whole share free at start)
     llm = make_engine(args.model, max_model_len=args.max_prompt + args.max_response, seed=args.seed,
                       memory_fraction=memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
-                      external_launcher=world_size > 1, weights=False)
+                      external_launcher=world_size > 1, weights=False, rank=rank)  # (a seed per rank)
     sleep(llm)  # (until the sync below wakes its weights: the KV cache wakes for the first rollout)
 kv_budget = int(kv_capacity_tokens(llm.llm_engine) * args.kv_overcommit)
 sandbox = Sandbox(timeout=args.tool_timeout)

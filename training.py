@@ -43,11 +43,43 @@ DIST_TIMEOUT_MINUTES = 240  # longer than a rank ever waits: a stage-2 straggler
 _cpu_group = None
 
 
+# The oldest NVIDIA driver branch each CUDA major release of torch runs on (NVIDIA's minor-version
+# compatibility; on data-center GPUs the cuda-compat package lifts an older driver)
+CUDA_DRIVER = {12: "R525", 13: "R580"}
+
+
+def gpus_torch_cannot_use() -> str | None:
+    """Why this GPU build of torch cannot run on the GPUs the machine has; None when it can, or when the
+    machine shows none (a CPU run). An older driver than the build's CUDA needs makes
+    torch.cuda.is_available() false with no more than a warning (torch/cuda/__init__.py is_available),
+    so without this a GPU run would quietly become a CPU run. The GPUs are counted the way torch does
+    without CUDA (NVML or amdsmi, within CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES:
+    torch/cuda/__init__.py _device_count_nvml, _device_count_amdsmi): CUDA_VISIBLE_DEVICES= runs on CPUs."""
+    if torch.cuda.is_available():
+        return None
+    build = f"this torch ({torch.__version__}) is built for"
+    if torch.version.cuda and torch.cuda._device_count_nvml() > 0:
+        cuda = torch.version.cuda
+        driver = CUDA_DRIVER.get(int(cuda.split(".")[0]), f"one of CUDA {cuda}")
+        return (f"{build} CUDA {cuda}, which needs an NVIDIA driver {driver} or newer: this machine has GPUs "
+                f"but CUDA cannot start on them\n---> HINT: `nvidia-smi` shows the driver's version: update "
+                f"the driver (or install NVIDIA's cuda-compat-{cuda.replace('.', '-')} package), or install "
+                f"a torch and vLLM built for the CUDA your driver runs; CUDA_VISIBLE_DEVICES= runs on CPUs")
+    if torch.version.hip and torch.cuda._device_count_amdsmi() > 0:
+        return (f"{build} ROCm {torch.version.hip}, which cannot start on this machine's GPUs\n---> HINT: "
+                f"`amd-smi version` shows the amdgpu driver: it must support ROCm {torch.version.hip} "
+                f"(docs/gpu.md, Install); HIP_VISIBLE_DEVICES= runs on CPUs")
+    return None
+
+
 def init_distributed(timeout_minutes: float = DIST_TIMEOUT_MINUTES):
-    """Join torchrun's process group, or make one of one. Returns (rank, local_rank, world_size, device)."""
+    """Join torchrun's process group, or make one of one. Returns (rank, local_rank, world_size, device).
+    A GPU build of torch that cannot use the machine's GPUs stops here, with what to do."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if problem := gpus_torch_cannot_use():
+        raise SystemExit(problem)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":  # torch.cuda is also the ROCm device API
         torch.cuda.set_device(device)

@@ -13,8 +13,9 @@ What it does, for each benchmark:
    the grader compares with math-verify), and warns if the number of problems is not the expected one;
 4. writes the file and prints the count; the benchmarks that could not be read are named at the end,
    with what to do, and the exit status is non-zero.
-Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_DATASETS_OFFLINE=1
-reads only that cache.
+Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_HUB_OFFLINE=1
+reads only that cache. Whether the hub answers is asked once, before the first read from it
+(data/hub.py): without network every hub benchmark fails at once, with what to do.
 """
 import argparse
 import json
@@ -23,6 +24,8 @@ import sys
 
 from datasets import load_dataset
 from datasets.exceptions import DatasetsError
+
+import hub
 
 # name: (dataset, config, split, question column, answer column, number of problems)
 BENCHMARKS = {
@@ -58,7 +61,7 @@ def main(argv=None):
     if bad := [k for k, path in local.items() if k not in BENCHMARKS or not path]:
         parser.error(f"--local takes NAME=PATH, NAME one of {', '.join(BENCHMARKS)}; not {', '.join(bad)}")
 
-    failed = []
+    failed, hub_down = [], None  # (whether the hub answers is asked once, before its first read)
     for name in args.benchmarks:
         path = os.path.join(args.out_dir, f"{name}.jsonl")
         if os.path.exists(path) and not args.force:
@@ -69,6 +72,13 @@ def main(argv=None):
         dataset, config, split, question_column, answer_column, expected = BENCHMARKS[name]
         file = local.get(name)
         source = file or f"{dataset} ({config}/{split})"
+        if not file and hub_down is None:
+            hub_down = hub.unreachable() or ""
+        if not file and hub_down:
+            hint = hub.hint(f"--local {name}=FILE")
+            print(f"{name}: FAILED to read {source}: {hub_down}\n---> HINT: {hint}", file=sys.stderr)
+            failed.append(name)
+            continue
         try:
             if file:  # load_dataset("json" | "parquet", data_files=...) reads a file as it reads a hub set
                 kind = "parquet" if file.endswith(".parquet") else "json"

@@ -17,8 +17,9 @@ What it does, in order (paper §4.2):
 4. drops repeated questions (same normalised words, see `words`), the first one wins;
 5. drops every problem that shares an 8-gram of normalised words with any benchmark problem;
 6. writes {"question", "answer"} JSONL and prints what each step kept and dropped, per source.
-Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_DATASETS_OFFLINE=1
-reads only that cache; HF_TOKEN is used if set.
+Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_HUB_OFFLINE=1
+reads only that cache; HF_TOKEN is used if set. Whether the hub answers is asked once, before the
+first source read from it (data/hub.py): without network the script stops at once, saying what to do.
 """
 import argparse
 import itertools
@@ -30,6 +31,8 @@ from collections import Counter
 
 from datasets import load_dataset
 from datasets.exceptions import DatasetsError
+
+import hub
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grading import as_number  # noqa: E402
@@ -204,6 +207,10 @@ def main(argv=None):
                                ["problem", "expected_answer", "problem_type", "pass_rate_72b_tir"],
                                args.openmath_rows or None, True,
                                lambda row: from_openmath(row, args.openmath_min_pass_rate))
+    from_hub = [name for name in sources if name not in local]
+    if from_hub and (hub_down := hub.unreachable()):
+        sys.exit(f"{', '.join(from_hub)}: cannot read from the hub: {hub_down}\n"
+                 f"---> HINT: {hub.hint(f'--local {from_hub[0]}=FILE')}")
     records, stats = [], Counter()
     for name, (dataset, config, split, columns, max_rows, streaming, convert) in sources.items():
         file = local.get(name)

@@ -15,8 +15,9 @@ columns instead), at most --max-per-source each:
     chat       nvidia/Llama-Nemotron-Post-Training-Dataset (SFT/chat, reasoning off; streamed: the
                SFT config holds millions of rows of other splits)
 The paper also rewrote the IF responses and the chat prompts with o4-mini; we use them as released.
-Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_DATASETS_OFFLINE=1
-reads only that cache; HF_TOKEN is used if set.
+Downloads are cached by the library (HF_HOME or HF_DATASETS_CACHE say where); HF_HUB_OFFLINE=1
+reads only that cache; HF_TOKEN is used if set. Whether the hub answers is asked once, before the
+first source read from it (data/hub.py): without network every hub source fails at once.
 
 How a record becomes messages (conversation.render_messages renders them):
 1. Every assistant turn opens inside <reason> (the template adds it). This data has no reasoning, so
@@ -46,6 +47,8 @@ from collections import Counter
 
 from datasets import load_dataset
 from datasets.exceptions import DatasetsError
+
+import hub
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conversation import (SYSTEM_PROMPT, function_call_pieces, parse_tool_call,  # noqa: E402
@@ -333,13 +336,19 @@ def main(argv=None):
     if bad := [k for k, path in local.items() if k not in SOURCES or not path]:
         parser.error(f"--local takes NAME=PATH with NAME one of {', '.join(SOURCES)}, not {', '.join(bad)}")
 
-    conversations, failed = [], {}
+    conversations, failed, hub_down = [], {}, None  # (whether the hub answers is asked once)
     for name in args.sources:
         dataset, config, split, columns, streaming, paper_count, convert = SOURCES[name]
         cap = min(n for n in (paper_count, args.max_per_source, float("inf")) if n is not None)
         file = local.get(name)
         source = file or f"{dataset} ({config}/{split})"
         kept, dropped = 0, Counter()
+        if not file and hub_down is None:
+            hub_down = hub.unreachable() or ""
+        if not file and hub_down:
+            failed[name] = f"{name}: FAILED: {hub_down}\n---> HINT: {hub.hint(f'--local {name}=FILE')}"
+            print(f"{name}: not read (failed, see the end)")
+            continue
         print(f"{name}: reading {source} ...", flush=True)
         try:
             if file:  # load_dataset("json" | "parquet", data_files=...) reads a file as it reads a hub set

@@ -443,3 +443,84 @@ def test_prepare_sft_on_local_files_reports_counts_and_missing_sources(offline, 
     code, out, err = run("prepare_sft.py", "--out", tmp_path / "none.jsonl", "--sources", "magicoder",
                          "--local", f"magicoder={tmp_path / 'missing.parquet'}")
     assert code != 0 and "no conversations" in err and "missing.parquet must exist" in err
+
+
+# -----------------------------------------------------------------------------
+# Without network: the hub asked once, every script saying so at once (data/hub.py)
+
+@pytest.fixture
+def no_hub(tmp_path, monkeypatch):
+    """A hub that refuses every connection (a closed local port), not offline by choice, and a cache
+    of the test's own: what a machine without network sees, without needing one."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (closed again when the block ends: connections are refused)
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+
+
+def test_the_hub_is_found_unreachable_within_the_timeout_whether_refused_or_silent(no_hub, monkeypatch):
+    import socket
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    import hub
+    start = time.monotonic()
+    refused = hub.unreachable(timeout=2.0)
+    assert refused and "cannot be reached" in refused and time.monotonic() - start < 2.5, refused
+    with socket.socket() as silent:  # accepts connections (the kernel does) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        start = time.monotonic()
+        why = hub.unreachable(timeout=2.0)
+        assert why and "did not answer within 2 s" in why and time.monotonic() - start < 3.0, why
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        assert hub.unreachable(timeout=2.0) is None, "offline by choice: the cache is read, the hub not asked"
+        monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")  # (it wins over HF_HUB_OFFLINE, as in datasets)
+        assert not hub.offline()
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        monkeypatch.delenv("HF_DATASETS_OFFLINE")
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        assert hub.unreachable(timeout=2.0) is None, "a hub that answers, whatever the status, is reachable"
+    finally:
+        server.shutdown()
+
+
+def test_without_network_each_script_says_so_once_at_once_and_what_to_do(no_hub, tmp_path):
+    local = write_benchmarks(tmp_path)
+    code, out, err = run("prepare_eval.py", "--out-dir", tmp_path / "eval",
+                         "--benchmarks", "aime24", "aime25", "hmmt25", "--local", local[0])
+    assert code != 0 and "aime24: 3 problems" in out, "a benchmark on disk is still written"
+    failures = [line for line in err.split("\n") if ": FAILED to read" in line]
+    assert len(failures) == 2 and all("cannot be reached" in f for f in failures), err
+    assert "--local hmmt25=FILE" in err and err.count("HF_HUB_OFFLINE=1") == 2, err
+
+    write_jsonl(tmp_path / "b.jsonl", BENCH["aime24"])
+    code, out, err = run("prepare_rl.py", "--out", tmp_path / "rl.jsonl",
+                         "--benchmarks", tmp_path / "b.jsonl")
+    assert code != 0 and "dapo: cannot read from the hub" in err and "dapo: reading" not in out, err
+    assert "--local dapo=FILE" in err and "HF_HUB_OFFLINE=1" in err, err
+
+    tulu = f"tulu_if={write_jsonl(tmp_path / 'tulu.jsonl', [TULU])}"
+    code, out, err = run("prepare_sft.py", "--out", tmp_path / "sft.jsonl", "--sources", "tulu_if", "toolace",
+                         "glaive", "--local", tulu)
+    assert code == 0 and "tulu_if: kept 1" in out and "missing sources: toolace, glaive" in out, out + err
+    assert "toolace: reading" not in out and "glaive: reading" not in out, "no hub source is tried"
+    assert err.count("cannot be reached") == 2 and "--local glaive=FILE" in err and "HF_HUB_OFFLINE=1" in err

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from memory_plan import (CONTEXT, CUDA_GRAPHS, ENGINE_BUFFERS, HOST_LINK_BYTES_PER_S, KNOWN, MARGIN,
-                         PROCESS_HOST, SANDBOX_SLOT, GiB, Shape, describe, plan)
+                         PROCESS_HOST, SANDBOX_SLOT, GiB, MiB, Shape, describe, pinned_bytes, plan,
+                         weight_allocations)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(num_hidden_layers=2, hidden_size=4, intermediate_size=8, num_attention_heads=2,
@@ -25,12 +26,32 @@ def test_the_shape_by_hand():
     # a layer's activations per token: 30 per hidden unit, 18 per query unit (4), 16 per key/value unit (2),
     # 12 per MLP unit: 120 + 72 + 32 + 96
     assert s.layer_activation_bytes == 320
-    # the reload: 4 x module + 4 x its last tensor. Embeddings (40): 160 + 160; qkv (16 + 8 + 8): 128 + 32;
-    # gate_up (32 + 32): 256 + 128 = 384; o_proj (16): 128; down_proj (32): 256. Here gate_up is largest,
-    assert s.reload_peak_bytes == 384
-    # at 14B the embeddings (or the head): 8 bytes x V x h
+    # the reload: 4 x module + 2 x its last tensor (gathered in bf16). Embeddings (40): 160 + 80; qkv
+    # (16 + 8 + 8): 128 + 16; gate_up (32 + 32): 256 + 64 = 320; o_proj (16): 96; down_proj (32): 192.
+    assert s.reload_peak_bytes == 320
+    # at 14B the embeddings (or the head): 6 bytes x V x h
     big = Shape.of(KNOWN["Qwen3-14B"])
-    assert big.reload_peak_bytes == 8 * 151936 * 5120
+    assert big.reload_peak_bytes == 6 * 151936 * 5120
+
+
+def test_pinned_host_memory_is_counted_in_powers_of_two_per_allocation():
+    """torch's pinned allocator rounds each request up to a power of two and keeps the block; a level-1
+    sleep backs up each of vLLM's weight allocations into one pinned tensor of its own."""
+    assert [pinned_bytes(n) for n in (0, 1, 3, MiB, MiB + 1, 70 * MiB)] == [0, 1, 4, MiB, 2 * MiB, 128 * MiB]
+    # Qwen3-14B in bf16, per layer: qkv 5120 x 7168 x 2 = 70 MiB, o 50 MiB, gate_up 340 MiB, down 170 MiB;
+    # embeddings and head 151936 x 5120 x 2 = 1483.75 MiB each (1484 in 2 MiB steps); the norms packed in
+    # one 20 MiB segment. Pinned: 128 + 64 + 512 + 256 = 960 MiB a layer, 2048 MiB each for the two ends.
+    s = Shape.of(KNOWN["Qwen3-14B"])
+    assert sorted(weight_allocations(s)) == sorted([70 * MiB, 50 * MiB, 340 * MiB, 170 * MiB] * 40
+                                                   + [1484 * MiB] * 2 + [20 * MiB])
+    pinned = sum(map(pinned_bytes, weight_allocations(s)))
+    assert pinned == (40 * 960 + 2 * 2048 + 32) * MiB, "41.5 GiB of pinned memory for 27.5 GiB of weights"
+    level = {n: plan(KNOWN["Qwen3-14B"], **STAGE1, sleep_level=n).host["engines asleep: pinned backups"]
+             for n in (1, 2)}
+    assert level == {2: 8 * 512 * MiB, 1: 8 * (512 + 40 * 960 + 2 * 2048 + 32) * MiB}, \
+        "node 0's 8 engines: their runtime pools, and at level 1 every weight allocation rounded up"
+    tiny = plan(TINY, ranks=2, gpu_gib=10, micro_batch_tokens=512, rollout_tokens=1000, sleep_level=1)
+    assert tiny.host["engines asleep: pinned backups"] == 2 * (512 + 32) * MiB  # TINY's weights: one 20 MiB
 
 
 def test_every_phase_by_hand():
@@ -44,9 +65,10 @@ def test_every_phase_by_hand():
     # hidden states 8192 x 4 x 2 = 111,616: the forward is the peak
     engine = 2 * 388 + CUDA_GRAPHS + buffers + 655_360
     share = gpu - MARGIN - CONTEXT - 12 * 388 // 2
+    graphs = "engine: CUDA graphs (on the GPU asleep too)"
     assert p.phases["rollout"] == {
         "trainer: fp32 weights, AdamW moments": 2328, "CUDA context, NCCL": CONTEXT,
-        "engine: bf16 weights": 776, "engine: CUDA graphs": CUDA_GRAPHS, "engine: buffers": buffers,
+        "engine: bf16 weights": 776, graphs: CUDA_GRAPHS, "engine: buffers": buffers,
         "engine: profile's transient peak": 655_360, "engine: KV cache": share - engine}
     assert p.memory_fraction == share / gpu and p.rollout_peak == gpu - MARGIN
     assert p.kv_cache == p.kv_cache_bytes == share - engine
@@ -60,17 +82,20 @@ def test_every_phase_by_hand():
         "two layers gathered (bf16)": 2 * 2 * 152, "a layer's bf16 gradients, fp32 reduce copy": 6 * 152,
         "a layer's activations recomputed": 1000 * 320, "head's bf16 gradient": 2 * 10 * 4,
         "allocator: reserved beyond allocated": 112_729,
-        "engine: buffers": buffers, "CUDA context, NCCL": CONTEXT}
+        graphs: CUDA_GRAPHS, "engine: buffers": buffers, "CUDA context, NCCL": CONTEXT}
+    # (vLLM keeps the CUDA graphs on the GPU while it sleeps: sleep_mode_offload_cudagraph is off)
+    asleep = CUDA_GRAPHS + buffers
     # the allocator's reserve: a tenth of the trainer's tensors (expandable segments)
-    assert p.training_peak == 1_127_296 + 112_729 + buffers + CONTEXT
+    assert p.training_peak == 1_127_296 + 112_729 + asleep + CONTEXT
     # fused AdamW: weights, gradients, moments and no temporary (16P/N), and a tenth of them reserved
-    assert p.optimizer_step_peak == 16 * 388 // 2 + 310 + buffers + CONTEXT
+    assert p.optimizer_step_peak == 16 * 388 // 2 + 310 + asleep + CONTEXT
     # resume: the optimizer state initialised (20P/N = 3880) is more than loading (4P/N + 4 x 152 = 1384)
-    assert p.resume_peak == 3880 + buffers + CONTEXT
-    assert p.sync_peak == 2328 + 776 + CUDA_GRAPHS + buffers + 384 + CONTEXT
+    assert p.resume_peak == 3880 + asleep + CONTEXT
+    assert p.sync_peak == 2328 + 776 + asleep + 320 + CONTEXT
     # host, 2 GPUs on the node: 4 rollouts x 1000 tokens, each rank its own half at 90 bytes a token
-    # (lists while they grow) and 1 KiB of numbers for each of the 4; sandbox: (6 // 2 - 1) slots a rank
-    assert p.host == {"engines asleep: pinned weights, CUDA graphs": 2 * (776 + CUDA_GRAPHS),
+    # (lists while they grow) and 1 KiB of numbers for each of the 4; sandbox: (6 // 2 - 1) slots a rank.
+    # The engines sleep at level 2: only their runtime pools (ENGINE_BUFFERS, 512 MiB) in pinned memory
+    assert p.host == {"engines asleep: pinned backups": 2 * 512 * MiB,
                       "trainer offloaded: pinned fp32 weights, moments": 0,
                       "trajectories: each rank's own, every one's numbers": 2 * (4000 // 2 * 90 + 4 * 1024),
                       "rank 0's HF export: fp32 state dict, bf16 copy": 6 * 388,

@@ -474,3 +474,25 @@ def test_expandable_segments_are_on_for_training_and_off_while_the_engine_is_awa
             "expandable segments must come back on for training"
     finally:
         torch._C._accelerator_setAllocatorSettings(before or "expandable_segments:False")
+
+
+# -----------------------------------------------------------------------------
+# A GPU build of torch that cannot start on the machine's GPUs
+
+def test_a_gpu_build_that_cannot_start_stops_naming_the_driver_and_a_cpu_machine_runs_on(monkeypatch):
+    """A driver older than the build's CUDA makes torch.cuda.is_available() false with only a warning
+    (as on this CPU build): faked here are the build's version and the GPUs NVML (or amdsmi) counts."""
+    from training import init_distributed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 8)  # the driver is there, and 8 GPUs
+    needs_r580 = r"CUDA 13\.0, which needs an NVIDIA driver R580(.|\n)*HINT: `nvidia-smi`"
+    with pytest.raises(SystemExit, match=needs_r580):
+        init_distributed()
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # no NVIDIA driver: a CPU machine
+    assert init_distributed()[3] == torch.device("cpu"), "a CUDA build on a machine without GPUs runs on CPUs"
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "7.14.0")
+    monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: 8)
+    with pytest.raises(SystemExit, match=r"ROCm 7\.14\.0(.|\n)*HINT: `amd-smi version`"):
+        init_distributed()
