@@ -7,7 +7,7 @@ of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
 1. Resume (--resume, --init-from): the checkpoint loads before the engine takes its share (or with
    it asleep). torch's get_optimizer_state_dict first materialises the optimizer state with zero
    gradients and one AdamW step (torch/distributed/checkpoint/state_dict.py _init_optim_state): fp32
-   weights, gradients, two moments and the step's temporary, 20P/N. At start-up rank 0 moves each
+   weights, gradients and two moments, 16P/N (fused AdamW: no temporary). At start-up rank 0 moves each
    full module to its GPU as FSDP2 shards it (training.load_sharded_model).
 2. Rollout: the engine awake inside its share of the GPU (vLLM's gpu_memory_utilization): bf16
    weights (2P), CUDA graphs, its persistent buffers, the profile's transient peak (a forward of
@@ -381,7 +381,7 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
     step = {**step, **_allocator_reserve(step), **engine_asleep, **context}
     # 1. torch/distributed/checkpoint/state_dict.py _init_optim_state: zero gradients and a step with lr 0;
     # at start-up FSDP2 moves each module of rank 0's model to the GPU whole before sharding it
-    initialised = {"trainer: weights, zero gradients, moments, AdamW's temporary": 20 * p // ranks}
+    initialised = {"trainer: weights, zero gradients, moments (fused AdamW)": 16 * p // ranks}
     loading = {"trainer: fp32 shards": 4 * p // ranks,
                "a module in full (fp32)": 4 * max(s.embedding_params, s.layer_params)}
     resume = {**max(initialised, loading, key=lambda terms: sum(terms.values())), **engine_asleep, **context}

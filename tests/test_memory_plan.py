@@ -89,8 +89,8 @@ def test_every_phase_by_hand():
     assert p.training_peak == 1_127_296 + 112_729 + asleep + CONTEXT
     # fused AdamW: weights, gradients, moments and no temporary (16P/N), and a tenth of them reserved
     assert p.optimizer_step_peak == 16 * 388 // 2 + 310 + asleep + CONTEXT
-    # resume: the optimizer state initialised (20P/N = 3880) is more than loading (4P/N + 4 x 152 = 1384)
-    assert p.resume_peak == 3880 + asleep + CONTEXT
+    # resume: the optimizer state initialised (16P/N = 3104) is more than loading (4P/N + 4 x 152 = 1384)
+    assert p.resume_peak == 3104 + asleep + CONTEXT
     assert p.sync_peak == 2328 + 776 + asleep + 320 + CONTEXT
     # host, 2 GPUs on the node: 4 rollouts x 1000 tokens, each rank its own half at 90 bytes a token
     # (lists while they grow) and 1 KiB of numbers for each of the 4; sandbox: (6 // 2 - 1) slots a rank.
