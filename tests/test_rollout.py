@@ -112,7 +112,7 @@ def test_truncated_trajectory_gets_reward_zero_even_with_a_right_answer(tok):
     good, cut = fresh(tok), fresh(tok)
     turn(tok, good, ANSWER, cfg)
     turn(tok, cut, "Done.</reason>\n<answer>\\boxed{408}</answer> and more", cfg)
-    score([good, cut], sandbox=None)
+    score([good, cut], sandbox=None, cfg=RolloutConfig())
     assert (good.reward, cut.reward) == (1.0, 0.0) and cut.finish_reason == "length"
     assert good.correct and cut.correct, "grading says whether the answer is right; the reward adds the rest"
 
