@@ -63,7 +63,7 @@ def sample_turn(traj, cfg):
 
 def solve(index: int, question: str, sandbox) -> None:
     """Roll out one trajectory turn by turn, printing each turn, tool call and tool output."""
-    traj = start_trajectories(tokenizer, [{"question": question, "answer": ""}], n=1, offset=index)[0]
+    traj = start_trajectories(tokenizer, [{"question": question, "answer": ""}], 1, index, args.tools)[0]
     cfg = rollout_config(args, seed=args.seed + index, eos_ids=eos_ids)
     cfg.max_response = min(cfg.max_response, max_len - len(traj.prompt_ids))
     if cfg.max_response <= 0:
