@@ -75,7 +75,7 @@ def solve(index: int, question: str, sandbox) -> None:
         print()
         if call is None:  # the trajectory has finished
             break
-        result = call if isinstance(call, str) else sandbox.run(*call)  # a parse error is its own output
+        result = call.error if call.error is not None else sandbox.run(call.code, call.stdin)  # (a parse error)
         add_tool_turn(traj, result, tokenizer, cfg)
         output = result if isinstance(result, str) else format_tool_response(result, cfg.max_tool_chars)
         status = "parse error" if isinstance(result, str) else result.status
