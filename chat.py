@@ -75,7 +75,8 @@ def solve(index: int, question: str, sandbox) -> None:
         print()
         if call is None:  # the trajectory has finished
             break
-        result = call.error if call.error is not None else sandbox.run(call.code, call.stdin)  # (a parse error)
+        # a malformed call's error is its own tool output
+        result = call.error if call.error is not None else sandbox.run(call.code, call.stdin)
         add_tool_turn(traj, result, tokenizer, cfg)
         output = result if isinstance(result, str) else format_tool_response(result, cfg.max_tool_chars)
         status = "parse error" if isinstance(result, str) else result.status

@@ -147,7 +147,8 @@ for setting in args.downsample_setting:
         downsample_settings[name] = json.loads(value)
     except json.JSONDecodeError:
         downsample_settings[name] = value  # (a plain string)
-known = [p.name for p in list(inspect.signature(downsample).parameters.values())[3:] if p.kind != p.VAR_KEYWORD]
+known = [p.name for p in list(inspect.signature(downsample).parameters.values())[3:]  # (after group, G, rng)
+         if p.kind != p.VAR_KEYWORD]
 if set(downsample_settings) - set(known):
     raise SystemExit(f"--downsample-setting {sorted(set(downsample_settings) - set(known))}: not a setting of "
                      f"--downsample {args.downsample}\n---> HINT: its settings are {known}")

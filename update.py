@@ -126,7 +126,8 @@ def policy_update(policy: Policy, kept, advantages, problem_queue) -> dict:
     for j in range(k):  # every rank receives the tokens of what it trains, from the rank that rolled it out
         part = range(j * len(kept) // k, (j + 1) * len(kept) // k)
         rows = [kept[i] for i in part]
-        parts.append((problem_queue.exchange(rows, micro_batches(policy, rows)), [advantages[i] for i in part]))
+        rows = problem_queue.exchange(rows, micro_batches(policy, rows))
+        parts.append((rows, [advantages[i] for i in part]))
     old = [old_logprobs(policy, rows) if k > 1 else None for rows, _ in parts]  # all before the first step
     steps = []
     for (rows, part_advantages), part_old in zip(parts, old):

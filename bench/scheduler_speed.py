@@ -190,7 +190,8 @@ def rollout_async(engine, tokenizer, sandbox, problems, n, cfg):
             if not t.finish_reason:
                 submit(t)
     score(trajs, sandbox, cfg)
-    return trajs, dict(trajectory_metrics(trajs), wall_seconds=time.perf_counter() - t_start, gen_seconds=gen_s)
+    wall = time.perf_counter() - t_start
+    return trajs, dict(trajectory_metrics(trajs), wall_seconds=wall, gen_seconds=gen_s)
 
 
 # -----------------------------------------------------------------------------

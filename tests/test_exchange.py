@@ -119,7 +119,8 @@ def _rank_main(out: str):
     kept = queue.exchange(kept, plan_of(kept, world_size))
     with_tokens = [t for t in kept if t.response_ids is not None]
     result = {"gathered": [[t.index, t.sample] for t in gathered], "numbers_equal": numbers_equal,
-              "held": held, "rolled_here": [[t.index, t.sample] for t in gathered if t.rank == rank], "kept": [[t.index, t.sample] for t in kept],
+              "held": held, "rolled_here": [[t.index, t.sample] for t in gathered if t.rank == rank],
+              "kept": [[t.index, t.sample] for t in kept],
               "with_tokens": [[t.index, t.sample] for t in with_tokens],
               "tokens_equal": all(same_tokens(t, rolled_out(t.index, t.sample)) for t in with_tokens)}
     with open(f"{out}/rank{rank}.json", "w") as f:

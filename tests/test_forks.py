@@ -77,7 +77,8 @@ FORKS = {
                            finish_reason="length" if length == 400 else "answer")
             assert reward(t, RolloutConfig(max_response=400)) == pytest.approx(want)
         """),
-    "sympy-tool": (["tests/test_format.py::test_a_second_tool_is_offered_and_parsed_only_where_a_run_names_it"],
+    "sympy-tool": (["tests/test_format.py::test_a_second_tool_is_offered_and_parsed_only_where_a_run_names_it",
+                    "tests/test_format.py::test_every_tool_is_offered_and_its_required_arguments_make_a_program"],
                    """
         from conversation import parse_tool_call, system_prompt
         from test_format import call_text

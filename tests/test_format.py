@@ -4,9 +4,9 @@ from collections import namedtuple
 
 import pytest
 
-from conversation import (IM_END, SYSTEM_PROMPT, TOOL_NAME, TOOLS, USER_PREFIX, Tool, ToolCall, extract_answer,
-                          format_tool_response, pad_token_id, parse_tool_call, render_messages, render_prompt,
-                          render_tool_call, render_tool_turn, system_prompt)
+from conversation import (IM_END, SYSTEM_PROMPT, TOOL_NAME, TOOLS, USER_PREFIX, Tool, ToolCall,
+                          extract_answer, format_tool_response, pad_token_id, parse_tool_call, render_messages,
+                          render_prompt, render_tool_call, render_tool_turn, system_prompt)
 from grading import grade
 
 # Same fields as sandbox.ExecResult; the format only reads them.
@@ -77,8 +77,8 @@ def test_malformed_call_returns_an_error_message(text, says):
 
 
 def test_a_second_tool_is_offered_and_parsed_only_where_a_run_names_it(monkeypatch):
-    spec = {"type": "function", "function": {"name": "simplify", "parameters": {"type": "object", "properties": {
-        "expression": {"type": "string"}}, "required": ["expression"]}}}
+    parameters = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
+    spec = {"type": "function", "function": {"name": "simplify", "parameters": parameters}}
     monkeypatch.setitem(TOOLS, "simplify", Tool(spec, lambda a: (f"print({a['expression']})", "")))
     both = system_prompt(("python", "simplify"))
     assert system_prompt() == SYSTEM_PROMPT and '"name":"simplify"' not in SYSTEM_PROMPT
@@ -88,6 +88,16 @@ def test_a_second_tool_is_offered_and_parsed_only_where_a_run_names_it(monkeypat
     assert "unknown tool" in parse_tool_call(text).error, "a tool the run did not offer must be refused"
     missing = parse_tool_call(call_text({}, name="simplify"), ("python", "simplify"))
     assert 'missing argument "expression"' in missing.error
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_every_tool_is_offered_and_its_required_arguments_make_a_program(name):
+    function = TOOLS[name].spec["function"]
+    offered = ("python", name)
+    assert f'"name":"{function["name"]}"' in system_prompt(offered), f"{name} is missing from the system prompt"
+    args = {arg: "1" for arg in function["parameters"]["required"]}
+    call = parse_tool_call(call_text(args, name=function["name"]), offered)
+    assert call.error is None and call.code.strip(), f"{name}: its required arguments must make a program"
 
 
 def test_pad_id_is_the_pad_token_else_eos_else_zero():
