@@ -433,3 +433,15 @@ def test_effective_sample_size_bounds():
     assert effective_sample_size(4.0, 4.0, 4) == 1.0, "equal weights must give ESS 1"
     assert effective_sample_size(1.0, 1.0, 4) == 0.25, "one nonzero weight of 4 must give 1/4"
     assert effective_sample_size(0.0, 0.0, 0) == 1.0
+
+
+@pytest.mark.parametrize("setting, says", [("typo=1", "not a setting of --downsample roc"),
+                                           ("positive_weight=nope", "unknown positive_weight 'nope'")])
+def test_train_py_checks_the_downsamplers_settings_before_anything_slow(setting, says, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "train.py", "--downsample-setting", setting, "--data", str(tmp_path / "x")],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and says in out.stderr and "HINT" in out.stderr, out.stderr[-1000:]
+    assert "no such file" not in out.stderr, "the setting must be checked before the data is read"
