@@ -68,7 +68,10 @@ class ProblemQueue:
         return range(min(n, self.rank * size), min(n, (self.rank + 1) * size))
 
     def gather(self, trajs: list) -> list:
-        """Every rank's trajectories in rank order: this rank's whole, the others' without_payload."""
+        """Every rank's trajectories in rank order: this rank's whole, the others' without_payload; each
+        one's `rank` says which rank rolled it out."""
+        for t in trajs:
+            t.rank = self.rank
         if self.world_size == 1:
             return list(trajs)
         import torch.distributed as dist

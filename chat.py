@@ -63,7 +63,7 @@ def sample_turn(traj, cfg):
 
 def solve(index: int, question: str, sandbox) -> None:
     """Roll out one trajectory turn by turn, printing each turn, tool call and tool output."""
-    traj = start_trajectories(tokenizer, [{"question": question, "answer": ""}], n=1, offset=index)[0]
+    traj = start_trajectories(tokenizer, [{"question": question, "answer": ""}], 1, index, args.tools)[0]
     cfg = rollout_config(args, seed=args.seed + index, eos_ids=eos_ids)
     cfg.max_response = min(cfg.max_response, max_len - len(traj.prompt_ids))
     if cfg.max_response <= 0:
@@ -75,7 +75,8 @@ def solve(index: int, question: str, sandbox) -> None:
         print()
         if call is None:  # the trajectory has finished
             break
-        result = call if isinstance(call, str) else sandbox.run(*call)  # a parse error is its own output
+        # a malformed call's error is its own tool output
+        result = call.error if call.error is not None else sandbox.run(call.code, call.stdin)
         add_tool_turn(traj, result, tokenizer, cfg)
         output = result if isinstance(result, str) else format_tool_response(result, cfg.max_tool_chars)
         status = "parse error" if isinstance(result, str) else result.status

@@ -7,10 +7,12 @@ call, its answer), and writing what the tool printed.
 """
 import json
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 TOOL_NAME = "execute_python_code_with_standard_io"
 
-_TOOL_SPEC = {"type": "function", "function": {"name": TOOL_NAME,
+_PYTHON_SPEC = {"type": "function", "function": {"name": TOOL_NAME,
     "description": "Execute Python code with standard input and capture standard output. The code runs "
                    "as a script; the input string is given to it on stdin, and whatever it prints to "
                    "stdout is returned. If the code raises an error, the error message is returned "
@@ -23,18 +25,39 @@ _TOOL_SPEC = {"type": "function", "function": {"name": TOOL_NAME,
                "standard output. If an error occurs during execution, the error message will be "
                "returned."}}}
 
-SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The Assistant first thinks about the reasoning process in the mind and then provides the user with "
-    "the answer. The reasoning process and answer are enclosed within <reason> </reason> and <answer> "
-    "</answer> tags, respectively, i.e., <reason> reasoning process here </reason><answer> answer here "
-    "</answer>.\n\n"
-    "# Tools: You may call one or more functions to assist with the user query. You are provided with "
-    "function signatures within <tools></tools> XML tags:\n"
-    "<tools>" + json.dumps(_TOOL_SPEC, separators=(",", ":")) + "</tools>\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:"
-    "<tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}</tool_call>")
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool the model may call: its function schema, as the system prompt lists it, and how a call's
+    arguments become a program for the sandbox: program(arguments) -> (code, stdin)."""
+    spec: dict
+    program: Callable[[dict], tuple[str, str]]  # a missing argument it needs raises KeyError
+
+
+# The tools a run may offer, by the name --tools takes (rollout.add_rollout_flags); a call names a tool by
+# its spec's name. Every argument of these tools is a string (parse_tool_call checks it).
+TOOLS = {"python": Tool(_PYTHON_SPEC, lambda args: (args["code"], args.get("input", "")))}
+DEFAULT_TOOLS = ("python",)  # the paper's one tool
+
+
+def system_prompt(tools=DEFAULT_TOOLS) -> str:
+    """The paper's system prompt (Fig. 3) with `tools` (names in TOOLS) in its <tools> block."""
+    specs = "\n".join(json.dumps(TOOLS[name].spec, separators=(",", ":")) for name in tools)
+    return (
+        "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+        "The Assistant first thinks about the reasoning process in the mind and then provides the user with "
+        "the answer. The reasoning process and answer are enclosed within <reason> </reason> and <answer> "
+        "</answer> tags, respectively, i.e., <reason> reasoning process here </reason><answer> answer here "
+        "</answer>.\n\n"
+        "# Tools: You may call one or more functions to assist with the user query. You are provided with "
+        "function signatures within <tools></tools> XML tags:\n"
+        "<tools>" + specs + "</tools>\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:"
+        "<tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}</tool_call>")
+
+
+SYSTEM_PROMPT = system_prompt()
 
 USER_PREFIX = ("You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here "
                "</answer>. And your final answer will be extracted automatically by the \\boxed{} tag. "
@@ -196,33 +219,45 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 
 
-def parse_tool_call(text: str) -> None | tuple[str, str] | str:
-    """The first tool call of an assistant turn (only the first runs, as in the official release): None if
-    there is none, (code, stdin) if it is well formed, else the error message, which goes back to the model
-    as the tool's output (paper §2.1: a parse error *is* the tool output). The JSON object after <tool_call>
-    is decoded first, then the closing tag is required: code may print "</tool_call>" in a string."""
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model wrote: the program to run in the sandbox, or, when the call is malformed,
+    the error the model sees as the tool's output instead (paper §2.1: a parse error *is* the output)."""
+    code: str = ""
+    stdin: str = ""
+    error: str | None = None
+
+
+def parse_tool_call(text: str, tools=DEFAULT_TOOLS) -> ToolCall | None:
+    """The first tool call of an assistant turn (only the first runs, as in the official release), None
+    if there is none. A call names one of `tools` (names in TOOLS) by its function name. The JSON object
+    after <tool_call> is decoded first, then the closing tag is required: code may print "</tool_call>"."""
     if "<tool_call>" not in text:
         return None
     body = text[text.index("<tool_call>") + len("<tool_call>"):]
     try:
         call, end = json.JSONDecoder().raw_decode(body.lstrip())
     except json.JSONDecodeError as e:
-        return f"Failed to decode tool call: {e}"
+        return ToolCall(error=f"Failed to decode tool call: {e}")
     if not body.lstrip()[end:].lstrip().startswith("</tool_call>"):
-        return "Failed to decode tool call: <tool_call> is not closed by </tool_call>"
+        return ToolCall(error="Failed to decode tool call: <tool_call> is not closed by </tool_call>")
     if not isinstance(call, dict):
-        return "Failed to decode tool call: expected a JSON object with \"name\" and \"arguments\""
-    if call.get("name") != TOOL_NAME:
-        return f"Failed to decode tool call: unknown tool {call.get('name')!r}; the only tool is {TOOL_NAME}"
+        return ToolCall(error='Failed to decode tool call: expected a JSON object with "name" and "arguments"')
+    by_name = {TOOLS[name].spec["function"]["name"]: TOOLS[name] for name in tools}
+    if call.get("name") not in by_name:
+        return ToolCall(error=f"Failed to decode tool call: unknown tool {call.get('name')!r}; the tools are "
+                              f"{', '.join(by_name)}")
     args = call.get("arguments")
     if not isinstance(args, dict):
-        return "Failed to decode tool call: \"arguments\" must be a JSON object"
-    if "code" not in args:
-        return "Failed to decode tool call: missing argument \"code\""
-    code, stdin = args["code"], args.get("input", "")
-    if not isinstance(code, str) or not isinstance(stdin, str):
-        return "Failed to decode tool call: arguments \"code\" and \"input\" must be strings"
-    return code, stdin
+        return ToolCall(error="Failed to decode tool call: \"arguments\" must be a JSON object")
+    if not all(isinstance(value, str) for value in args.values()):
+        return ToolCall(error=f"Failed to decode tool call: arguments {', '.join(map(json.dumps, args))} "
+                              f"must be strings")
+    try:
+        code, stdin = by_name[call["name"]].program(args)
+    except KeyError as e:
+        return ToolCall(error=f"Failed to decode tool call: missing argument \"{e.args[0]}\"")
+    return ToolCall(code, stdin)
 
 
 def extract_answer(text: str) -> str | None:
@@ -262,6 +297,15 @@ def format_tool_response(result, max_chars: int = MAX_TOOL_RESPONSE_CHARS) -> st
     return text
 
 
-def prompt_ids(tokenizer, question: str) -> list[int]:
-    """The token ids of a problem's prompt."""
-    return encode(tokenizer, prompt_pieces(question))
+def prompt_ids(tokenizer, question: str, tools=DEFAULT_TOOLS) -> list[int]:
+    """The token ids of a problem's prompt, its system prompt offering `tools` (names in TOOLS)."""
+    return encode(tokenizer, prompt_pieces(question, system_prompt(tools)))
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id that pads a batch's rows (never trained on: padding is off the loss mask): the tokenizer's
+    pad token, else its eos token, else 0."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return token_id
+    return 0

@@ -221,13 +221,13 @@ def main(argv=None, llm=None):
     benchmarks = {}
     for name, path in zip(short_names(paths), paths):
         problems = read_problems(path)[:args.first]
-        benchmarks[name], n_long = drop_long_prompts(problems, tokenizer, args.max_prompt)
+        benchmarks[name], n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)
         if n_long and master:
             print(f"{name}: dropped {n_long} problems with a prompt over {args.max_prompt} tokens")
     if not all(benchmarks.values()):
         raise ValueError(f"no problem left in {[b for b, p in benchmarks.items() if not p]}\n"
                          f"---> HINT: raise --max-prompt (every prompt there is longer)")
-    longest = max(len(prompt_ids(tokenizer, p["question"])) for probs in benchmarks.values() for p in probs)
+    longest = max(len(prompt_ids(tokenizer, p["question"], args.tools)) for b in benchmarks.values() for p in b)
     context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     if args.max_model_len is None:
         args.max_model_len = longest + args.max_response

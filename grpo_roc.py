@@ -11,28 +11,27 @@ What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
    paper's floor keeps none of a single negative: a wasted all-correct group). The official code
    keeps the first k in rollout order, at least 2.
 4. Positives fill the rest of G, drawn without replacement with probability proportional to
-   1 / (p_total + 1e-3), as in the paper (the official code takes the lowest p_total first). If
-   positives run short, negatives fill G; a group of at most G is kept whole (`short_group` if < G).
+   1 / (p_total + 1e-3) (POSITIVE_WEIGHTS), as in the paper (the official code takes the lowest p_total
+   first). Short of positives, negatives fill G; a group of at most G is kept whole (`short_group` if < G).
 5. `downsample_uniform`, the "GRPO with tool" ablation at equal compute: (2), then G of the 2G
    uniformly (an all-equal subset is kept, as GRPO would).
 6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
 7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level: the sum over masked-in
-   tokens / `n_loss_tokens`, the step's token count over all micro-batches and ranks, so any split
-   gives one big batch's gradient (DAPO). No KL, no entropy bonus, no dual clip. With one optimizer
-   step per RL step (the paper's) the ratio is 1 and the clip never acts; it does with --mini-batches.
-8. Loss metrics are normalised by `n_loss_tokens` too, so they add up to step-level means.
-9. Sandbox failures (always on): a rollout with `sandbox_failed` has no outcome and leaves before
-   anything reads its reward; its group leaves too when fewer than G would remain (judged on less
-   evidence than the others; dropping every touched group would lose a quarter of groups of 32 at 1%).
+   tokens / `loss_denominator`, the step's token count over all micro-batches and ranks, so any split
+   gives one big batch's gradient (DAPO). No KL, no entropy bonus, no dual clip. With one optimizer step
+   per RL step (the paper's) the ratio is 1 and the clip never acts; it does with --mini-batches.
+8. Loss metrics are normalised by `n_loss_tokens`, so they add up to step-level means.
+9. Sandbox failures (always on): a rollout with `sandbox_failed` has no outcome and leaves before its
+   reward is read; its group leaves too when fewer than G would remain (judged on less evidence).
 10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended with
    neither a tool call nor an answer leaves before (2).
-11. Sampler/trainer mismatch (off by default), per loss token r = p_trainer / p_sampler: "tis" weighs
-   by min(r, C); "mask" (IcePop) drops tokens with r outside [1/C, C] and weighs the others by r;
-   "seq-mask" drops a rollout whose geometric-mean r is outside [1/C, C]. Dropped tokens still count
-   in n_loss_tokens, as in IcePop: the others' terms are not scaled up.
+11. Sampler/trainer mismatch (off by default), per loss token r = p_trainer / p_sampler: "tis" weighs by
+   min(r, C); "mask" (IcePop) drops tokens with r outside [1/C, C] and weighs the others by r; "seq-mask"
+   drops a rollout whose geometric-mean r is outside [1/C, C]. Dropped tokens still count (IcePop).
 
 A down-sampler (DOWNSAMPLERS) is fn(group, group_size, rng, **settings) -> (kept in the group's order,
-stats: ints to sum over groups). A rollout is positive when its reward is > 0.
+stats: ints to sum over groups); train.py's --downsample-setting NAME=VALUE gives it settings. A
+rollout is positive when its reward is > 0.
 """
 import math
 import random
@@ -67,6 +66,9 @@ def roc_weight(traj: Trajectory) -> float:
     return 1.0 / (tool_error_penalty(traj) + format_penalty(traj) + PENALTY_EPS)
 
 
+POSITIVE_WEIGHTS = {"roc": roc_weight}  # (4) by the name resample_on_correct's positive_weight takes
+
+
 # -----------------------------------------------------------------------------
 # (2)-(5), (9)-(10): the rollouts that leave a problem's pool, then down-sampling 2G of them to G
 
@@ -75,9 +77,7 @@ def drop_sandbox_failures(group: list[Trajectory], group_size: int):
     (a group short from the start, with no failure, is left to (4)). Returns (kept, n_failed)."""
     kept = [t for t in group if not t.sandbox_failed]
     n_failed = len(group) - len(kept)
-    if n_failed and len(kept) < group_size:
-        return [], n_failed
-    return kept, n_failed
+    return ([] if n_failed and len(kept) < group_size else kept), n_failed
 
 
 def filter_void_turns(group: list[Trajectory]):
@@ -118,9 +118,11 @@ def _in_order(group, chosen):
 
 
 def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Random,
-                        positive_weight=None, **settings):
-    """GRPO-RoC down-sampling of one problem's rollouts to `group_size`. positive_weight(traj): a
-    positive's chance to be kept, 1 / (p_total + eps) by default (4)."""
+                        positive_weight: str = "roc", **settings):
+    """GRPO-RoC down-sampling of one problem's rollouts to `group_size`. positive_weight: the name in
+    POSITIVE_WEIGHTS of a positive's weight in the draw, 1 / (p_total + eps) by default (4)."""
+    if positive_weight not in POSITIVE_WEIGHTS:
+        raise ValueError(f"unknown positive_weight {positive_weight!r}\n---> HINT: {sorted(POSITIVE_WEIGHTS)}")
     decided = _prefilter(group, group_size)
     if decided is not None:
         return decided
@@ -130,7 +132,7 @@ def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Ra
     n_pos = min(len(pos), group_size - n_neg)               # (4) positives fill the rest
     n_neg = min(len(neg), group_size - n_pos)               # (4) top up with negatives if short
     kept_neg = rng.sample(neg, n_neg)                       # (3) uniform
-    weights = [(positive_weight or roc_weight)(t) for t in pos]
+    weights = [POSITIVE_WEIGHTS[positive_weight](t) for t in pos]
     kept_pos = _weighted_sample(pos, weights, n_pos, rng)   # (4) prob ~ 1 / p_total
     kept = _in_order(group, kept_neg + kept_pos)
     return kept, _stats(kept=kept)
@@ -151,6 +153,12 @@ DOWNSAMPLERS = {"roc": resample_on_correct, "uniform": downsample_uniform}
 # -----------------------------------------------------------------------------
 # (6)-(8) group advantages and the clipped token-level policy loss
 
+def loss_denominator(kept: list[Trajectory]) -> int:
+    """(7) What the step's summed token losses are divided by, the same in every micro-batch and on every
+    rank: its loss tokens (a token-level mean, DAPO's; the metrics are per loss token whatever this is)."""
+    return max(1, sum(t.num_loss_tokens for t in kept))
+
+
 def group_advantages(rewards) -> torch.Tensor:
     """(r - mean) / (std + 1e-6) over one kept group, unbiased std; (G,)."""
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()  # (G,)
@@ -159,10 +167,11 @@ def group_advantages(rewards) -> torch.Tensor:
     return (r - r.mean()) / (r.std(unbiased=True) + ADV_EPS)  # (G,)
 
 def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
-                eps_low=0.2, eps_high=0.28, token_weights=None):
-    """(7) PPO-clip with Clip-Higher, summed over masked-in tokens / n_loss_tokens. logp (B, T) carries the
-    gradient, old_logp (B, T) is the policy before the step, advantages (B,) apply to every token,
-    loss_mask (B, T) is 1 on sampled tokens, token_weights (B, T) (optional: (11)) scale each term.
+                eps_low=0.2, eps_high=0.28, token_weights=None, denominator=None):
+    """(7) PPO-clip with Clip-Higher, summed over masked-in tokens / denominator (n_loss_tokens unless
+    given: loss_denominator). logp (B, T) carries the gradient, old_logp (B, T) is the policy before the
+    step, advantages (B,) apply to every token, loss_mask (B, T) is 1 on sampled tokens, token_weights
+    (B, T) (optional: (11)) scale each term.
     Returns (loss, metrics), each a masked sum / n_loss_tokens (8): clip_frac_low (A < 0, ratio < 1 -
     eps_low), clip_frac_high (A > 0, ratio > 1 + eps_high), ratio_mean, approx_kl (k3 of KL(old||new))."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
@@ -176,7 +185,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
     per_token = -torch.minimum(unclipped, clipped)                         # (B, T)
     if token_weights is not None:
         per_token = per_token * token_weights.detach()                     # (B, T)
-    loss = (per_token * loss_mask).sum() / n_loss_tokens                   # (7)
+    loss = (per_token * loss_mask).sum() / (denominator or n_loss_tokens)  # (7)
 
     with torch.no_grad():
         n = float(n_loss_tokens)
@@ -201,7 +210,7 @@ MISMATCH_MODES = ("none", "tis", "mask", "seq-mask")
 def mismatch_correction(trainer_logp, sampler_logp, loss_mask, n_loss_tokens, mode, threshold):
     """(11) Token weights (B, T) or None, the loss mask with dropped tokens 0, and metrics that add over
     micro-batches and ranks: masked_frac (dropped / n_loss_tokens) and the kept tokens' weights (or
-    r) as ess_sum_w, ess_sum_w2, ess_n for effective_sample_size. Off the loss mask nothing counts."""
+    r) as ess_sum_w, ess_sum_w2, ess_n for update.effective_sample_size. Off the loss mask nothing counts."""
     if mode not in MISMATCH_MODES:
         raise ValueError(f"unknown mismatch correction {mode!r}\n---> HINT: use one of {MISMATCH_MODES}")
     if mode != "none" and not threshold > 1.0:
@@ -229,12 +238,3 @@ def mismatch_correction(trainer_logp, sampler_logp, loss_mask, n_loss_tokens, mo
     }
     return weights, loss_mask * keep, metrics
 
-
-def effective_sample_size(sum_w, sum_w2, n) -> float:
-    """(11) (sum w)^2 / (n sum w^2) in (0, 1]: 1 for equal weights, 1/n when one dominates (a common
-    scale cancels: sums over micro-batches and ranks, or their means over steps, give the same)."""
-    if n <= 0:
-        return 1.0          # no token kept: nothing to weigh
-    if sum_w2 <= 0:
-        return 0.0          # every weight underflowed to 0
-    return sum_w * sum_w / (n * sum_w2)

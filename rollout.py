@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conversation import (IM_END, MAX_TOOL_RESPONSE_CHARS, encode, extract_answer, format_tool_response,
-                          parse_tool_call, prompt_ids, tool_turn_pieces)
+from conversation import (DEFAULT_TOOLS, IM_END, MAX_TOOL_RESPONSE_CHARS, TOOLS, encode, extract_answer,
+                          format_tool_response, parse_tool_call, prompt_ids, tool_turn_pieces)
 from grading import grade
 from sandbox import SANDBOX_FAILURE
 
@@ -49,6 +49,7 @@ class Trajectory:
     finish_reason: str = ""         # one of FINISH_REASONS, set when the trajectory ends
     text: str | None = ""           # the decoded response, for logs only
     sizes: tuple[int, int, int] = ()  # (prompt, response, loss) tokens, where the tokens are None
+    rank: int = 0                   # the rank that rolled it out (ProblemQueue.gather sets it)
 
     @property
     def num_tool_failures(self) -> int:
@@ -82,6 +83,7 @@ class RolloutConfig:
     max_tool_chars: int = MAX_TOOL_RESPONSE_CHARS
     kv_budget: int | None = None   # the scheduler admits within this many KV tokens (None: the engine's)
     eos_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (model_eos_ids): they end a turn too
+    tools: tuple[str, ...] = DEFAULT_TOOLS  # the tools the system prompt offers (names in conversation.TOOLS)
 
 
 def add_rollout_flags(parser, top_p: bool = True, **defaults):
@@ -94,15 +96,15 @@ def add_rollout_flags(parser, top_p: bool = True, **defaults):
                        help="T: assistant turns per trajectory")
     group.add_argument("--max-response", type=int, default=RolloutConfig.max_response,
                        help="token budget of a response: sampled and tool tokens together")
-    group.add_argument("--temperature", type=float, default=RolloutConfig.temperature,
-                       help="sampling temperature" + ("" if top_p else (
-                           "; the trainer scores with the same. There is no --top-p or --top-k here: the "
-                           "engine reports log-probs after its top-p/top-k mask, the trainer over the "
-                           "whole vocabulary, so the two would disagree on every token")))
+    group.add_argument("--temperature", type=float, default=RolloutConfig.temperature, help="sampling "
+                       "temperature" + ("" if top_p else "; the trainer scores with the same (no --top-p: "
+                       "the engine's log-probs are after its top-p mask, the trainer's over the vocabulary)"))
     if top_p:
         group.add_argument("--top-p", type=float, default=RolloutConfig.top_p, help="nucleus sampling")
     group.add_argument("--max-tool-chars", type=int, default=MAX_TOOL_RESPONSE_CHARS,
                        help="a tool response is cut to this many characters (middle-truncated)")
+    group.add_argument("--tools", nargs="+", choices=sorted(TOOLS), default=list(DEFAULT_TOOLS),
+                       help="the tools the system prompt offers and a call may name (conversation.TOOLS)")
     group.add_argument("--deterministic", action="store_true",
                        help="a seed per turn of every rollout: the same samples whatever the driver, rank "
                             "or batch runs them (tests, comparisons). Off: one engine seed, because vLLM "
@@ -115,7 +117,8 @@ def rollout_config(args, **fields) -> RolloutConfig:
     """The RolloutConfig of add_rollout_flags' flags; `fields` sets the rest (seed, eos_ids, ...)."""
     return RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
                          temperature=args.temperature, top_p=getattr(args, "top_p", 1.0),
-                         max_tool_chars=args.max_tool_chars, deterministic=args.deterministic, **fields)
+                         max_tool_chars=args.max_tool_chars, deterministic=args.deterministic,
+                         tools=tuple(getattr(args, "tools", DEFAULT_TOOLS)), **fields)
 
 
 def end_of_turn_ids(tokenizer, cfg: RolloutConfig) -> list[int]:
@@ -127,9 +130,8 @@ def end_of_turn_ids(tokenizer, cfg: RolloutConfig) -> list[int]:
 def read_problems(path: str) -> list[dict]:
     """{"question": str, "answer": ...} per line (other fields kept, the answer made a string)."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file\n---> HINT: `python data/prepare_rl.py` writes "
-                                f"data/rl.jsonl, `python data/prepare_eval.py` the benchmarks, "
-                                f"`python data/prepare_toy.py` the toy world")
+        raise FileNotFoundError(f"{path}: no such file\n---> HINT: data/prepare_rl.py writes data/rl.jsonl, "
+                                f"data/prepare_eval.py the benchmarks, data/prepare_toy.py the toy world")
     problems = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, 1):
@@ -150,16 +152,16 @@ def read_problems(path: str) -> list[dict]:
     return problems
 
 
-def drop_long_prompts(problems: list[dict], tokenizer, max_prompt: int) -> tuple[list[dict], int]:
+def drop_long_prompts(problems: list[dict], tokenizer, max_prompt: int, tools=DEFAULT_TOOLS):
     """The problems whose prompt fits in max_prompt tokens, and how many were dropped. (vLLM refuses
     a request longer than its context: one such problem would stop its rank in the middle of a step.)"""
-    kept = [p for p in problems if len(prompt_ids(tokenizer, p["question"])) <= max_prompt]
+    kept = [p for p in problems if len(prompt_ids(tokenizer, p["question"], tools)) <= max_prompt]
     return kept, len(problems) - len(kept)
 
 
-def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0) -> list[Trajectory]:
+def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0, tools=DEFAULT_TOOLS):
     """n fresh trajectories per problem ({"question", "answer"}), numbered from `offset`."""
-    prompts = [prompt_ids(tokenizer, p["question"]) for p in problems]
+    prompts = [prompt_ids(tokenizer, p["question"], tools) for p in problems]
     return [Trajectory(index=offset + i, sample=s, prompt_ids=list(ids), gold=str(p["answer"]))
             for i, (p, ids) in enumerate(zip(problems, prompts)) for s in range(n)]
 
@@ -186,9 +188,8 @@ def sampling_params(traj: Trajectory, cfg: RolloutConfig, tokenizer):
 
 
 def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], tokenizer, cfg: RolloutConfig):
-    """Append a sampled turn (loss mask 1, its closing end-of-turn token included). Returns the tool call
-    to run next, (code, stdin), or a parse error to show the model; None once the trajectory has finished
-    (finish_reason)."""
+    """Append a sampled turn (loss mask 1, its closing end-of-turn token included). Returns the ToolCall to
+    run next (or, malformed, the error to show the model); None once the trajectory has finished."""
     traj.response_ids += token_ids
     traj.loss_mask += [1] * len(token_ids)
     traj.logprobs += logprobs
@@ -197,7 +198,7 @@ def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], toke
     traj.text += text
     traj.num_answers += text.count("<answer>")  # GRPO-RoC's format penalty counts repeated answers
     traj.answer = extract_answer(text) or traj.answer  # the model's last answer counts
-    call = parse_tool_call(text)
+    call = parse_tool_call(text, cfg.tools)
     ended = bool(token_ids) and token_ids[-1] in end_of_turn_ids(tokenizer, cfg)
     if not ended or len(traj.response_ids) >= cfg.max_response:
         traj.finish_reason = "length"
@@ -213,11 +214,10 @@ def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], toke
 
 
 def add_tool_turn(traj: Trajectory, result, tokenizer, cfg: RolloutConfig) -> None:
-    """Append the tool's output (an ExecResult, or a parse error) as a user turn (loss mask 0), counting a
-    failed call by kind. A tool turn that does not fit the budget ends the trajectory ("length"). The
-    output is plain text: whatever the code prints, it cannot end the turn or open another. A failure of
-    the sandbox itself is not the model's: it is not counted as a failed call, and the trajectory ends
-    there, marked, since what follows would not be what the model's code did."""
+    """Append the tool's output (an ExecResult, or a ToolCall's error) as a user turn (loss mask 0), counting
+    a failed call by kind; one that does not fit the budget ends the trajectory ("length"). The output is
+    plain text: it cannot end the turn or open another. A failure of the sandbox itself is not the model's:
+    not a failed call; the trajectory ends there, marked (what follows would not be what its code did)."""
     if not isinstance(result, str) and result.status == SANDBOX_FAILURE:
         traj.sandbox_failed = True
         traj.finish_reason = "sandbox_failure"
@@ -240,22 +240,22 @@ def add_tool_turn(traj: Trajectory, result, tokenizer, cfg: RolloutConfig) -> No
     traj.text += "".join(pieces)
 
 
-def reward(traj: Trajectory) -> float:
-    """The reward the update optimises, from the graded trajectory (docs/design.md §3). The paper's:
-    1 if the answer is correct and the trajectory was not cut by the token budget, else 0; no format
-    or tool penalties. This is the one place to change for reward shaping: accuracy, pass@k and the
-    stage-3 filter read `correct`, never the reward."""
+def reward(traj: Trajectory, cfg: RolloutConfig) -> float:
+    """The reward the update optimises, from the graded trajectory and the run's rollout settings (its
+    budget, turns, tools) (docs/design.md §3). The paper's: 1 if the answer is correct and the trajectory
+    was not cut by the token budget, else 0; no format or tool penalties. This is the one place to change
+    for reward shaping: accuracy, pass@k and the stage-3 filter read `correct`, never the reward."""
     return float(traj.correct and traj.finish_reason != "length")
 
 
-def score(trajs: list[Trajectory], sandbox) -> None:
+def score(trajs: list[Trajectory], sandbox, cfg: RolloutConfig) -> None:
     """Grade the finished trajectories (`correct`; a check the sandbox could not finish marks the
     trajectory sandbox_failed instead), then compute each one's reward. Their tokens become arrays."""
     verdicts = grade([t.answer for t in trajs], [t.gold for t in trajs], sandbox)
     for t, verdict in zip(trajs, verdicts):
         t.sandbox_failed = t.sandbox_failed or verdict is None
         t.correct = bool(verdict)
-        t.reward = reward(t)
+        t.reward = reward(t, cfg)
         for name, dtype in TOKENS.items():
             setattr(t, name, np.asarray(getattr(t, name), dtype))
 

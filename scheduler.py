@@ -47,9 +47,9 @@ def request_id(traj) -> str:
     return f"{traj.index}-{traj.sample}-{traj.num_turns}"
 
 
-def _whole_batch(trajs, problem_queue, sandbox):
+def _whole_batch(trajs, problem_queue, sandbox, cfg):
     """Grade this rank's trajectories, then every rank's, sorted by problem and sample."""
-    score(trajs, sandbox)
+    score(trajs, sandbox, cfg)
     return sorted(problem_queue.gather(trajs), key=lambda t: (t.index, t.sample))
 
 
@@ -65,7 +65,7 @@ def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, c
     from tqdm import tqdm
     problem_queue = problem_queue or ProblemQueue()
     mine = problem_queue.share(len(problems))
-    trajs = start_trajectories(tokenizer, problems[mine.start:mine.stop], n, offset=mine.start)
+    trajs = start_trajectories(tokenizer, problems[mine.start:mine.stop], n, mine.start, cfg.tools)
     active, gen_s, tool_wait_s, t_start = list(trajs), 0.0, 0.0, time.perf_counter()
     with tqdm(total=len(trajs), desc="rollouts", unit="traj", leave=False) as bar:
         while active:
@@ -83,19 +83,92 @@ def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, c
                 if call is not None:
                     calls.append((t, call))
             t0 = time.perf_counter()
-            results = iter(sandbox.run_batch([call for _, call in calls if not isinstance(call, str)]))
-            for t, call in calls:  # a parse error (a string) is its own tool output
-                add_tool_turn(t, call if isinstance(call, str) else next(results), tokenizer, cfg)
+            results = iter(sandbox.run_batch([(c.code, c.stdin) for _, c in calls if c.error is None]))
+            for t, call in calls:  # a malformed call's error is its own tool output
+                add_tool_turn(t, call.error if call.error is not None else next(results), tokenizer, cfg)
             tool_wait_s += time.perf_counter() - t0
             bar.update(sum(1 for t in active if t.finish_reason))
             active = [t for t in active if not t.finish_reason]
-    trajs = _whole_batch(trajs, problem_queue, sandbox)
+    trajs = _whole_batch(trajs, problem_queue, sandbox, cfg)
     return trajs, dict(trajectory_metrics(trajs), gen_seconds=gen_s, tool_wait_seconds=tool_wait_s,
                        wall_seconds=time.perf_counter() - t_start)
 
 
 # -----------------------------------------------------------------------------
-# The scheduler
+# The scheduler: (1) its admission bookkeeping, its timing statistics, then the loop that drives them
+
+
+class KVAdmission:
+    """(1) The KV-cache tokens the admitted, unfinished trajectories hold, and whether one more fits.
+    Each counts its prompt + response so far in whole cache blocks, plus room for one more turn: the
+    batch's mean growth per turn so far (a tool turn included), max_response / max_turns before any."""
+
+    def __init__(self, kv_tokens: int, block: int, cfg: RolloutConfig):
+        self.kv_tokens, self.block, self.cfg = kv_tokens, block, cfg
+        self.live = {}                   # (index, sample) -> admitted, unfinished trajectory
+        self.grown, self.turns = 0, 0    # response tokens added by the batch's turns, and how many
+
+    def cost(self, t) -> int:
+        turn = self.grown / self.turns if self.turns else self.cfg.max_response / self.cfg.max_turns
+        tokens = len(t.prompt_ids) + min(len(t.response_ids) + turn, self.cfg.max_response)
+        return -(-int(tokens) // self.block) * self.block
+
+    def held(self) -> int:
+        return sum(self.cost(t) for t in self.live.values())
+
+    def fits(self, t, held: int) -> bool:
+        """t fits beside what is held; an empty engine always takes one."""
+        return not self.live or held + self.cost(t) <= self.kv_tokens
+
+    def admit(self, t) -> None:
+        self.live[t.index, t.sample] = t
+
+    def release(self, t) -> None:
+        del self.live[t.index, t.sample]
+
+    def grew(self, tokens: int, turn: bool = False) -> None:
+        """A sampled turn (turn=True) or a tool turn added `tokens` to a response."""
+        self.grown, self.turns = self.grown + tokens, self.turns + turn
+
+
+class RolloutTimer:
+    """The scheduler's statistics, apart from its control flow: seconds generating and waiting on tools,
+    the KV cache's mean use per engine step, the most trajectories in flight, when each finished."""
+
+    def __init__(self, kv_tokens: int, total: int):
+        from tqdm import tqdm
+        self.kv_tokens, self.start = kv_tokens, time.perf_counter()
+        self.gen_s = self.tool_wait_s = self.kv_sum = 0.0
+        self.steps, self.peak, self.finished_at = 0, 0, []
+        self.bar = tqdm(total=total, desc="rollouts", unit="traj", leave=False)
+
+    def step(self, engine, running: dict):
+        """engine.step(), timed; then the share of the KV budget the running requests fill."""
+        t0 = time.perf_counter()
+        outs = engine.step()
+        self.gen_s += time.perf_counter() - t0
+        self.steps += 1
+        self.kv_sum += sum(len(t.prompt_ids) + len(t.response_ids) for t in running.values()) / self.kv_tokens
+        return outs
+
+    def wait(self, results: queue.SimpleQueue):
+        """The next tool result, blocking: the engine has nothing to step."""
+        t0 = time.perf_counter()
+        item = results.get()
+        self.tool_wait_s += time.perf_counter() - t0
+        return item
+
+    def finished(self) -> None:
+        self.finished_at.append(time.perf_counter() - self.start)
+        self.bar.update(1)
+
+    def summary(self) -> dict:
+        self.bar.close()
+        ends = sorted(self.finished_at)
+        return dict(wall_seconds=time.perf_counter() - self.start, gen_seconds=self.gen_s,
+                    tool_wait_seconds=self.tool_wait_s, peak_admitted=self.peak,
+                    kv_utilisation=self.kv_sum / max(self.steps, 1),
+                    straggler_seconds=ends[-1] - statistics.median(ends) if ends else 0.0)
 
 
 def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
@@ -103,100 +176,75 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
     """Roll out n samples of every problem this rank pulls (1-3). Returns (the whole batch's
     trajectories, stats: its trajectory_metrics and this rank's seconds; tool_wait_seconds: the
     engine idle, waiting on tools)."""
-    from tqdm import tqdm
     problem_queue = problem_queue or ProblemQueue()
     kv_tokens = cfg.kv_budget or kv_capacity_tokens(engine)
-    block = kv_block_tokens(engine)
-    results = queue.SimpleQueue()        # (trajectory, future) put by the sandbox's threads (2)
-    waiting, running, live = deque(), {}, {}  # pulled-not-admitted; request id -> traj; admitted, unfinished
+    admission = KVAdmission(kv_tokens, kv_block_tokens(engine), cfg)
+    timer = RolloutTimer(kv_tokens, len(problems) * n)
+    results = queue.SimpleQueue()        # (trajectory, future), put by the sandbox's threads (2)
+    waiting, running = deque(), {}       # pulled, not yet admitted; request id -> trajectory on the engine
     trajs, in_tools, exhausted = [], 0, False
-    grown, turns = 0, 0                  # (1) response tokens added by the batch's turns, and how many
-    gen_s = tool_wait_s = kv_sum = 0.0
-    steps, peak, finished_at, t_start = 0, 0, [], time.perf_counter()
-    bar = tqdm(total=len(problems) * n, desc="rollouts", unit="traj", leave=False)
 
-    def cost(t):                                   # (1) what t holds, plus one turn of growth
-        turn = grown / turns if turns else cfg.max_response / cfg.max_turns
-        tokens = len(t.prompt_ids) + min(len(t.response_ids) + turn, cfg.max_response)
-        return -(-int(tokens) // block) * block
-
-    def submit(t):                                 # queue t's next turn on this engine
+    def next_turn(t):                    # queue t's next turn; if t has finished, free what it held (1)
+        if t.finish_reason:
+            admission.release(t)
+            timer.finished()
+            return
         running[request_id(t)] = t
         engine.add_request(request_id(t), {"prompt_token_ids": t.prompt_ids + t.response_ids},
                            sampling_params(t, cfg, tokenizer))
 
-    def admit():                                   # (1) admit while the total fits, (3) pull
-        nonlocal exhausted
-        held = sum(cost(t) for t in live.values())
-        while True:
-            if not waiting:
-                if exhausted or (live and held >= kv_tokens):
-                    return
-                i = problem_queue.next()
-                if i >= len(problems):
-                    exhausted = True
-                    return
-                waiting.extend(start_trajectories(tokenizer, [problems[i]], n, offset=i))
-            if live and held + cost(waiting[0]) > kv_tokens:
-                return                             # an empty engine always takes one
-            t = waiting.popleft()
-            held += cost(t)
-            live[t.index, t.sample] = t
-            trajs.append(t)
-            submit(t)
-
-    def done(t):
-        del live[t.index, t.sample]                # (1) release; admit() refills next round
-        finished_at.append(time.perf_counter() - t_start)
-        bar.update(1)
-
-    def after_tool(t, result):
-        nonlocal grown
+    def after_tool(t, result):           # (1) a turn's growth includes its tool turn
         before = len(t.response_ids)
         add_tool_turn(t, result, tokenizer, cfg)
-        grown += len(t.response_ids) - before      # (1) a turn's growth includes its tool turn
-        if t.finish_reason:
-            done(t)
-        else:
-            submit(t)
+        admission.grew(len(t.response_ids) - before)
+        next_turn(t)
 
     while True:
-        admit()
-        peak = max(peak, len(running) + in_tools)
+        # (1) admit while the total fits, (3) pulling the next problem when none waits
+        held = admission.held()
+        while waiting or not exhausted:
+            if not waiting:
+                if admission.live and held >= kv_tokens:
+                    break
+                i = problem_queue.next()
+                exhausted = i >= len(problems)
+                if exhausted:
+                    break
+                waiting.extend(start_trajectories(tokenizer, [problems[i]], n, i, cfg.tools))
+            if not admission.fits(waiting[0], held):
+                break
+            t = waiting.popleft()
+            held += admission.cost(t)
+            admission.admit(t)
+            trajs.append(t)
+            next_turn(t)
+        timer.peak = max(timer.peak, len(running) + in_tools)
+
+        # step the engine: a finished turn ends its trajectory, shows a malformed call's error as the
+        # tool output, or goes to the sandbox (2); with nothing to step, wait for a tool result
+        arrived = []                     # (trajectory, future) of the tool results to append now
         if engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            outs = engine.step()
-            gen_s += time.perf_counter() - t0
-            steps += 1
-            kv_sum += sum(len(t.prompt_ids) + len(t.response_ids) for t in running.values()) / kv_tokens
-            for out in outs:
+            for out in timer.step(engine, running):
                 if not out.finished:
                     continue
                 t = running.pop(out.request_id)
                 call = end_turn(t, *turn_tokens(out.outputs[0]), tokenizer, cfg)
-                grown, turns = grown + len(out.outputs[0].token_ids), turns + 1
+                admission.grew(len(out.outputs[0].token_ids), turn=True)
                 if call is None:
-                    done(t)
-                elif isinstance(call, str):        # a parse error is its own tool output
-                    after_tool(t, call)
-                else:                              # (2) to the sandbox now; the engine goes on
+                    next_turn(t)         # (it has finished)
+                elif call.error is not None:
+                    after_tool(t, call.error)
+                else:                    # (2) to the sandbox now; the engine goes on
                     in_tools += 1
-                    sandbox.submit(*call).add_done_callback(lambda f, t=t: results.put((t, f)))
+                    sandbox.submit(call.code, call.stdin).add_done_callback(lambda f, t=t: results.put((t, f)))
         elif in_tools:
-            t0 = time.perf_counter()
-            item = results.get()                   # (2) nothing to step: block, don't spin
-            tool_wait_s += time.perf_counter() - t0
-            results.put(item)
+            arrived.append(timer.wait(results))  # (2) blocks: it never spins
         elif not waiting and exhausted:
             break
-        while not results.empty():                 # (2) tool results that have arrived
-            t, fut = results.get()
+        while not results.empty():       # (2) and every other result that has arrived
+            arrived.append(results.get())
+        for t, future in arrived:
             in_tools -= 1
-            after_tool(t, fut.result())
-    bar.close()
-    trajs = _whole_batch(trajs, problem_queue, sandbox)
-    finished_at.sort()
-    return trajs, dict(
-        trajectory_metrics(trajs), wall_seconds=time.perf_counter() - t_start, gen_seconds=gen_s,
-        tool_wait_seconds=tool_wait_s, peak_admitted=peak, kv_utilisation=kv_sum / max(steps, 1),
-        straggler_seconds=finished_at[-1] - statistics.median(finished_at) if finished_at else 0.0)
+            after_tool(t, future.result())
+    trajs = _whole_batch(trajs, problem_queue, sandbox, cfg)
+    return trajs, dict(trajectory_metrics(trajs), **timer.summary())

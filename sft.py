@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from conversation import render_messages
+from conversation import pad_token_id, render_messages
 from logprobs import SharedPrefix, shared_prefix_length, token_logprobs
 from training import (empty_pass, init_distributed, load_sharded_model, plan_micro_batches, right_pad,
                       save_hf_checkpoint)
@@ -170,7 +170,7 @@ def main(argv=None):
 
     # ---- data ----
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    pad_id = pad_token_id(tokenizer)
     samples = tokenize_conversations(tokenizer, load_conversations(args.data), args.data, args.max_len)
     lengths = [len(ids) for ids, _ in samples]
     n_assistant = [sum(mask) for _, mask in samples]

@@ -12,14 +12,15 @@ One RL step, as the step loop at the bottom of this file runs it (what comes bef
    load-balanced scheduler; grade them, reward them. Every rank gets every rollout's numbers.
 3. GRPO-RoC (grpo_roc.py): leave out what the sandbox failed, drop all-equal groups, down-sample
    each group to G, advantages.
-4. The policy update: --mini-batches optimizer steps (one, as in the paper), each dealt across
-   ranks by token count and packed into micro-batches; the token-level clipped loss divided by the
-   global token count, so any split gives the gradient of one big batch; AdamW.
+4. The policy update (update.py): --mini-batches optimizer steps (one, as in the paper), each dealt
+   across ranks by token count and packed into micro-batches; the token-level clipped loss divided by
+   the global token count, so any split gives the gradient of one big batch; AdamW.
 5. Sync the new weights into the engine.
 Stages hand over through --init-from: the model, the optimizer (not in stage 3) and the data
 stream's position (the same file goes on where the earlier stage stopped; a new one starts afresh).
 """
 import argparse
+import inspect
 import json
 import os
 import random
@@ -32,18 +33,16 @@ from transformers import AutoTokenizer
 
 import memory_plan
 from batch import ProblemQueue, ProblemStream
-from conversation import prompt_ids
+from conversation import pad_token_id, prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, trainer_offloaded, wake_for_rollout)
-from grpo_roc import (DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, effective_sample_size,
-                      filter_void_turns, group_advantages, mismatch_correction, policy_loss)
+from grpo_roc import DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, filter_void_turns, group_advantages
 from rollout import add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
-from logprobs import SharedPrefix, shared_prefix_length, token_logprobs
-from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, empty_pass, init_distributed,
-                      load_sharded_model, mean_over_steps, plan_micro_batches, right_pad, save_checkpoint,
-                      save_hf_checkpoint, start_point, trajectory_tensors)
+from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
+                      save_checkpoint, save_hf_checkpoint, start_point)
+from update import Policy, policy_update
 
 # -----------------------------------------------------------------------------
 # Settings. Defaults are the paper's (§4.3). A flag given on the command line always wins; below it,
@@ -86,6 +85,9 @@ recipe.add_argument("--downsample", choices=sorted(DOWNSAMPLERS), default="roc",
                     help="2G -> G: roc (Resample-on-Correct) or uniform (the plain-GRPO ablation)")
 recipe.add_argument("--no-roc", dest="downsample", action="store_const", const="uniform",
                     help="the same as --downsample uniform")
+recipe.add_argument("--downsample-setting", action="append", default=[], metavar="NAME=VALUE",
+                    help="a setting of the down-sampler, repeatable (a JSON value, else a string), e.g. "
+                         "positive_weight=roc (grpo_roc.POSITIVE_WEIGHTS)")
 recipe.add_argument("--eps-low", type=float, default=0.2, help="PPO clip below")
 recipe.add_argument("--eps-high", type=float, default=0.28, help="PPO clip above (Clip-Higher)")
 recipe.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant after warm-up)")
@@ -137,6 +139,22 @@ parser.set_defaults(**PRESETS.get(pre.preset, {}))  # (after the stage's: a pres
 args = parser.parse_args()
 config = vars(args)
 
+# The down-sampler and its settings (--downsample-setting), checked before anything slow starts.
+downsample = DOWNSAMPLERS[args.downsample]
+downsample_settings = {}
+for setting in args.downsample_setting:
+    name, _, value = setting.partition("=")
+    try:
+        downsample_settings[name] = json.loads(value)
+    except json.JSONDecodeError:
+        downsample_settings[name] = value  # (a plain string)
+known = [p.name for p in list(inspect.signature(downsample).parameters.values())[3:]  # (after group, G, rng)
+         if p.kind != p.VAR_KEYWORD]
+if set(downsample_settings) - set(known):
+    raise SystemExit(f"--downsample-setting {sorted(set(downsample_settings) - set(known))}: not a setting of "
+                     f"--downsample {args.downsample}\n---> HINT: its settings are {known}")
+downsample([], args.group_size, random.Random(0), **downsample_settings)  # (a bad value fails here)
+
 # -----------------------------------------------------------------------------
 # The memory plan (memory_plan.py): --plan prints it and exits; on GPUs it sets the engine's share.
 
@@ -173,8 +191,7 @@ check_shared_dir(args.out_dir)
 model = load_sharded_model(args.model, device, activation_checkpointing=device.type == "cuda").train()
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
-pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt)
+problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)
 log(f"data: {len(problems)} problems from {args.data}; "
     f"dropped {n_long} with a prompt over {args.max_prompt} tokens")
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
@@ -210,102 +227,11 @@ if args.wandb and master:
     wandb_run = wandb.init(project=args.wandb, config=config)
 
 # -----------------------------------------------------------------------------
-# The policy update (4), defined here, used in the step loop below.
+# The policy update (4) is update.py's, on this model: the step loop below calls it. Prompts start
+# alike (the system prompt): on CPUs that runs once per micro-batch, these probes say how far.
 
-METRICS = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "logprob_mismatch",
-           "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n", "logprob_mismatch_max", "grad_norm"]
-# Prompts start alike (the system prompt): without activation checkpointing (CPUs) that runs once.
-probes = [prompt_ids(tokenizer, question) for question in ("1", "What")]
-shared = 0 if device.type == "cuda" else shared_prefix_length(probes)
-
-
-def shared_prefix(kept):
-    """The probes' common start, or less if a row of this rank lacks it, run once (on every rank: FSDP)."""
-    mine = [kept[i].prompt_ids for batch in micro_batches(kept)[rank] for i in batch] + probes[:1]
-    prefix_ids = torch.tensor(probes[0][:min(shared, shared_prefix_length(mine))], device=device)
-    return SharedPrefix(model, prefix_ids) if shared else None
-
-
-def micro_batches(kept) -> list[list[list[int]]]:
-    """Every rank's micro-batches of `kept`, as lists of indices (empty ones keep FSDP in step)."""
-    lengths = [t.prompt_length + t.response_length - shared for t in kept]  # about the tokens that run
-    return plan_micro_batches(lengths, args.micro_batch_tokens, world_size, packed=True)
-
-
-def forward(kept, prefix):
-    """This rank's micro-batches of `kept`: (indices, training.trajectory_tensors, log-probs (B, T-1)); an
-    empty pass in place of an empty one (FSDP needs every rank in every pass)."""
-    for micro_batch in micro_batches(kept)[rank]:
-        if not micro_batch:
-            empty_pass(model, pad_id, device)
-            continue
-        tensors = trajectory_tensors([kept[i] for i in micro_batch], pad_id, device)
-        # (rows packed without padding; on GPUs each chunk's head is recomputed in the backward, on
-        # CPUs its logits are kept)
-        yield micro_batch, tensors, token_logprobs(model, *tensors[:2], args.temperature, prefix=prefix,
-                                                   recompute=device.type == "cuda", packed=True)
-
-
-@torch.no_grad()
-def old_logprobs(kept) -> list[torch.Tensor | None]:
-    """The current policy's log-probs of this rank's trajectories of `kept` (the same micro-batches
-    optimizer_step will run), per trajectory; None for the other ranks' trajectories."""
-    out = [None] * len(kept)
-    for micro_batch, _, logp in forward(kept, shared_prefix(kept)):
-        for row, i in enumerate(micro_batch):  # each trajectory's own positions, without padding
-            out[i] = logp[row, :kept[i].prompt_length + kept[i].response_length - 1].cpu()
-    return out
-
-
-def optimizer_step(kept, advantages, old) -> dict:
-    """One optimizer step on `kept`; this rank's metric sums (each already / n_loss_tokens)."""
-    n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))  # the global denominator of the loss
-    sums, prefix = dict.fromkeys(METRICS, 0.0), shared_prefix(kept)
-    for micro_batch, (_, _, loss_mask, sampler_logp), logp in forward(kept, prefix):
-        adv = torch.tensor([advantages[i] for i in micro_batch], device=device)                # (B,)
-        if old is None:  # one step per RL step: the policy before the step is this one (ratio 1)
-            old_logp = logp.detach()
-        else:
-            old_logp = right_pad([old[i].tolist() for i in micro_batch], 0.0).to(device)       # (B, T-1)
-        # the sampler drew these tokens, not the trainer: an optional correction (grpo_roc.py)
-        weights, kept_mask, stats = mismatch_correction(old_logp, sampler_logp, loss_mask, n_loss_tokens,
-                                                        args.mismatch_correction, args.mismatch_threshold)
-        loss, metrics = policy_loss(logp, old_logp, adv, kept_mask, n_loss_tokens, args.eps_low,
-                                    args.eps_high, token_weights=weights)
-        (loss * world_size).backward()  # FSDP averages gradients over ranks: undo it
-        mismatch = (logp.detach() - sampler_logp).abs() * loss_mask                            # (B, T-1)
-        metrics.update(stats, loss=loss.item(), logprob_mismatch=mismatch.sum().item() / n_loss_tokens)
-        for k in METRICS[:-2]:
-            sums[k] += metrics[k]
-        sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], mismatch.max().item())
-    if prefix is not None:
-        prefix.backward()  # (the gradient the micro-batches left on the shared prefix, through it once)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    if kept:  # a step where every group was dropped changes nothing
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    return dict(sums, grad_norm=grad_norm.item() / world_size)  # (every rank has it: their sum is it)
-
-
-def policy_update(kept, advantages, problem_queue) -> dict:
-    """(4) --mini-batches optimizer steps on the kept trajectories, contiguous parts of them (whole
-    groups stay together when G divides a part). Each rank first receives the tokens of the ones it
-    trains. Returns the metrics, summed over ranks and averaged over the steps (mismatch: the max)."""
-    k = min(args.mini_batches, max(len(kept), 1))
-    parts = []
-    for j in range(k):  # every rank receives the tokens of what it trains, from the rank that rolled it out
-        part = range(j * len(kept) // k, (j + 1) * len(kept) // k)
-        rows = [kept[i] for i in part]
-        parts.append((problem_queue.exchange(rows, micro_batches(rows)), [advantages[i] for i in part]))
-    old = [old_logprobs(rows) if k > 1 else None for rows, _ in parts]  # all before the first step
-    steps = []
-    for (rows, part_advantages), part_old in zip(parts, old):
-        steps.append(optimizer_step(rows, part_advantages, part_old))
-    row = mean_over_steps(steps, METRICS, device)
-    row["ess"] = effective_sample_size(row.pop("ess_sum_w"), row.pop("ess_sum_w2"), row.pop("ess_n"))
-    row["optimizer_steps"] = k
-    return row
+probes = [prompt_ids(tokenizer, question, args.tools) for question in ("1", "What")]
+policy = Policy(model, optimizer, pad_token_id(tokenizer), device, args, rank, world_size, probes)
 
 # -----------------------------------------------------------------------------
 # The step loop.
@@ -343,7 +269,7 @@ for step in range(start_step, args.steps):
         if args.filter_void_turns:
             group, n_void = filter_void_turns(group)
             counts["void_filtered"] += n_void
-        group, group_stats = DOWNSAMPLERS[args.downsample](group, args.group_size, rng)
+        group, group_stats = downsample(group, args.group_size, rng, **downsample_settings)
         counts["dropped_groups"] += group_stats["dropped_all_equal"]
         kept += group
         advantages += group_advantages([t.reward for t in group]).tolist() if group else []
@@ -353,7 +279,7 @@ for step in range(start_step, args.steps):
     lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else args.lr
     for g in optimizer.param_groups:
         g["lr"] = lr
-    row.update(policy_update(kept, advantages, problem_queue), lr=lr)
+    row.update(policy_update(policy, kept, advantages, problem_queue), lr=lr)
     row["train_seconds"] = time.perf_counter() - t0
 
     # ---- 5. weight sync: the engine samples the next step with the new weights ----
@@ -380,7 +306,7 @@ for step in range(start_step, args.steps):
         if wandb_run:
             wandb_run.log(dict(row, collapse_alarm=len(alarms)), step=step + 1)
         if args.sample_every and (step + 1) % args.sample_every == 0:
-            own = [t for t in trajs if t.text is not None]  # (this rank's rollouts)
+            own = [t for t in trajs if t.rank == rank]  # (this rank's rollouts: their text is here)
             for t in own[:: max(1, len(own) // 3)][:3]:
                 samples_file.write(f"===== step {step + 1} problem {t.index} sample {t.sample} "
                                    f"reward {t.reward} ({t.finish_reason}) =====\n{t.text}\n")

@@ -34,7 +34,7 @@ import tracemalloc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
-from rollout import Trajectory, score  # noqa: E402
+from rollout import RolloutConfig, Trajectory, score  # noqa: E402
 from batch import ProblemQueue, without_payload  # noqa: E402
 from training import plan_micro_batches  # noqa: E402
 
@@ -93,7 +93,7 @@ def per_trajectory(count: int, prompt: int, response: int) -> dict:
         t.correct = t.answer == t.gold  # (today's score(): the same numbers, the tokens left as lists)
         t.reward = float(t.correct and t.finish_reason != "length")
     as_arrays = [rolled_out(i, 0, prompt, response) for i in range(count)]
-    score(as_arrays, sandbox=None)
+    score(as_arrays, sandbox=None, cfg=RolloutConfig())
     sent = {"lists": as_lists, "arrays": as_arrays, "numbers": [without_payload(t) for t in as_arrays],
             "tokens": [tokens_of(t) for t in as_arrays]}
     costs = {}
@@ -171,7 +171,7 @@ def gloo_rank(rank: int, world: int, init: str, count: int, prompt: int, respons
 
     def after():  # as arrays: the numbers to every rank, then the tokens of what each rank trains
         mine = [rolled_out(p, s, prompt, response) for p in problems for s in range(8)]
-        score(mine, sandbox=None)
+        score(mine, sandbox=None, cfg=RolloutConfig())
         queue = ProblemQueue("bench", distributed=True)
         trajs = sorted(queue.gather(mine), key=lambda t: (t.index, t.sample))
         kept = [t for t in trajs if t.sample % 2]  # G of 2G

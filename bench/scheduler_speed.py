@@ -49,10 +49,10 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from engine import CPU_BLOCK, kv_capacity_tokens, make_engine  # noqa: E402
+from engine import CPU_BLOCK, kv_capacity_tokens, make_engine, turn_tokens  # noqa: E402
 from conversation import IM_END, render_tool_call, render_tool_turn  # noqa: E402
-from rollout import (RolloutConfig, add_tool_turn, batch_stats, end_turn, finish, sampled,  # noqa: E402
-                     sampling_params, start_trajectories)
+from rollout import (RolloutConfig, add_tool_turn, end_turn, sampling_params, score,  # noqa: E402
+                     start_trajectories, trajectory_metrics)
 from sandbox import Sandbox  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from scheduler import request_id, rollout_lockstep, rollout_scheduled  # noqa: E402
@@ -175,12 +175,13 @@ def rollout_async(engine, tokenizer, sandbox, problems, n, cfg):
             if not out.finished:
                 continue
             t = running.pop(out.request_id)
-            call = end_turn(t, *sampled(out.outputs[0]), tokenizer, cfg)
-            if isinstance(call, tuple):
+            call = end_turn(t, *turn_tokens(out.outputs[0]), tokenizer, cfg)
+            if call is not None and call.error is None:
                 in_tools += 1
-                sandbox.submit(*call).add_done_callback(lambda f, t=t: results.put((t, f.result())))
+                future = sandbox.submit(call.code, call.stdin)
+                future.add_done_callback(lambda f, t=t: results.put((t, f.result())))
             elif call is not None:  # a parse error is its own tool output
-                results.put((t, call))
+                results.put((t, call.error))
                 in_tools += 1
         while not results.empty():
             t, result = results.get()
@@ -188,8 +189,9 @@ def rollout_async(engine, tokenizer, sandbox, problems, n, cfg):
             add_tool_turn(t, result, tokenizer, cfg)
             if not t.finish_reason:
                 submit(t)
-    finish(trajs, sandbox)
-    return trajs, batch_stats(trajs, wall_seconds=time.perf_counter() - t_start, gen_seconds=gen_s)
+    score(trajs, sandbox, cfg)
+    wall = time.perf_counter() - t_start
+    return trajs, dict(trajectory_metrics(trajs), wall_seconds=wall, gen_seconds=gen_s)
 
 
 # -----------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from datasets.exceptions import DatasetsError
 import hub
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conversation import (SYSTEM_PROMPT, function_call_pieces, parse_tool_call,  # noqa: E402
+from conversation import (SYSTEM_PROMPT, ToolCall, function_call_pieces, parse_tool_call,  # noqa: E402
                           render_assistant_turn)
 
 
@@ -130,7 +130,7 @@ def build(steps, tools=None):
         raise Skip("not user ... assistant")
     for m in msgs:  # the tool call must parse back exactly
         call = m.get("tool_call")
-        if call is not None and parse_tool_call(render_assistant_turn(m)) != (call["code"], call["input"]):
+        if call is not None and parse_tool_call(render_assistant_turn(m)) != ToolCall(call["code"], call["input"]):
             raise Skip("tool call does not round-trip")
     if tools or any(i.strip() for i in instructions):
         msgs.insert(0, {"role": "system", "content": system_prompt(tools, "\n\n".join(instructions))})

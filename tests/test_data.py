@@ -18,7 +18,7 @@ import prepare_eval  # noqa: E402
 import prepare_rl  # noqa: E402
 import prepare_sft  # noqa: E402
 from prepare_sft import Skip  # noqa: E402
-from conversation import (SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, parse_tool_call, render_assistant_turn,  # noqa: E402
+from conversation import (SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, ToolCall, parse_tool_call, render_assistant_turn,  # noqa: E402
                           render_messages)
 
 # -----------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_magicoder_code_becomes_a_python_tool_call_that_round_trips():
     assert turn["content"] == "Here is an iterative solution:</reason>", "the explanation before the code is the reasoning"
     assert turn["tool_call"]["code"].startswith("def fib(n):") and "print(fib(10))" in turn["tool_call"]["code"], \
         "the longest python block is the call"
-    assert parse_tool_call(render_assistant_turn(turn)) == (turn["tool_call"]["code"], ""), "the call must parse back"
+    assert parse_tool_call(render_assistant_turn(turn)) == ToolCall(turn["tool_call"]["code"], ""), "the call must parse back"
     with pytest.raises(Skip, match="not Python"):
         prepare_sft.from_magicoder(dict(MAGICODER, lang="cpp"))
     with pytest.raises(Skip, match="no Python code block"):
@@ -285,9 +285,9 @@ def test_every_converted_record_renders_and_its_calls_parse_back():
         for m in assistant:
             parsed = parse_tool_call(render_assistant_turn(m))
             if "tool_call" in m:
-                assert parsed == (m["tool_call"]["code"], m["tool_call"]["input"]), "a Python call must parse back"
+                assert parsed == ToolCall(m["tool_call"]["code"], m["tool_call"]["input"]), "a Python call must parse back"
             elif "<tool_call>" in m["content"]:
-                assert "unknown tool" in parsed, "another function's call parses as JSON and is refused by name"
+                assert "unknown tool" in parsed.error, "another function's call parses as JSON and is refused by name"
             else:
                 assert parsed is None
 

@@ -7,7 +7,7 @@ import pytest
 
 import rollout
 from eval import benchmark_path, benchmark_row, format_table, main, pass_at_k, select_unsolved, short_names, table_ks
-from rollout import Trajectory, score
+from rollout import RolloutConfig, Trajectory, score
 
 
 def pass_at_k_by_enumeration(n, c, k):
@@ -47,7 +47,7 @@ def graded(pass_counts, k):
                         tool_failures={"error": s % 2}, response_ids=[0] * 10 * (s + 1),
                         finish_reason="max_turns" if s == 0 else "answer")
              for i, c in enumerate(pass_counts) for s in range(k)]
-    score(trajs, sandbox=None)
+    score(trajs, sandbox=None, cfg=RolloutConfig())
     return trajs
 
 
@@ -79,7 +79,7 @@ def test_a_shaped_reward_leaves_accuracy_pass_at_k_and_the_filter_unchanged(monk
     problems = [{"question": f"q{i}", "answer": "1"} for i in range(len(counts))]
     paper = graded(counts, 4)
     # a fork's reward shaping: a penalty for each tool call, edited in the one place the reward is made
-    monkeypatch.setattr(rollout, "reward", lambda t: float(t.correct) - 0.1 * t.tool_calls)
+    monkeypatch.setattr(rollout, "reward", lambda t, cfg: float(t.correct) - 0.1 * t.tool_calls)
     shaped = graded(counts, 4)
     assert [t.reward for t in shaped] != [t.reward for t in paper], "the shaping did not reach the reward"
     assert benchmark_row("toy", shaped, 4) == benchmark_row("toy", paper, 4), "shaping changed the table"

@@ -92,6 +92,7 @@ def test_two_ranks_receive_exactly_the_tokens_they_train_on(tmp_path):
         assert result["numbers_equal"], "the numbers another rank receives must be the roller's"
         assert result["held"] == [key for key in every if key[0] % 2 == rank], \
             "after the gather a rank must hold the tokens and text of its own rollouts only"
+        assert result["rolled_here"] == result["held"], "a trajectory's rank must name the rank that rolled it out"
     kept = [key for key in every if sum(key) % 3]
     trainers = trainers_of([rolled_out(*key) for key in kept], 2)
     assert sorted(set(trainers)) == [0, 1] and any(t != key[0] % 2 for t, key in zip(trainers, kept)), \
@@ -118,7 +119,8 @@ def _rank_main(out: str):
     kept = queue.exchange(kept, plan_of(kept, world_size))
     with_tokens = [t for t in kept if t.response_ids is not None]
     result = {"gathered": [[t.index, t.sample] for t in gathered], "numbers_equal": numbers_equal,
-              "held": held, "kept": [[t.index, t.sample] for t in kept],
+              "held": held, "rolled_here": [[t.index, t.sample] for t in gathered if t.rank == rank],
+              "kept": [[t.index, t.sample] for t in kept],
               "with_tokens": [[t.index, t.sample] for t in with_tokens],
               "tokens_equal": all(same_tokens(t, rolled_out(t.index, t.sample)) for t in with_tokens)}
     with open(f"{out}/rank{rank}.json", "w") as f:

@@ -4,9 +4,9 @@ from collections import namedtuple
 
 import pytest
 
-from conversation import (IM_END, SYSTEM_PROMPT, TOOL_NAME, USER_PREFIX, extract_answer,
-                          format_tool_response, parse_tool_call, render_messages, render_prompt,
-                          render_tool_call, render_tool_turn)
+from conversation import (IM_END, SYSTEM_PROMPT, TOOL_NAME, TOOLS, USER_PREFIX, Tool, ToolCall,
+                          extract_answer, format_tool_response, pad_token_id, parse_tool_call, render_messages,
+                          render_prompt, render_tool_call, render_tool_turn, system_prompt)
 from grading import grade
 
 # Same fields as sandbox.ExecResult; the format only reads them.
@@ -37,7 +37,7 @@ def test_tool_turn_is_a_user_turn_wrapping_the_output_and_reopening_the_assistan
 
 def test_rendered_tool_call_parses_back():
     code = 'x = input()\nprint(f"{x}!")'
-    assert parse_tool_call("ok.</reason>" + render_tool_call(code, "hi")) == (code, "hi")
+    assert parse_tool_call("ok.</reason>" + render_tool_call(code, "hi")) == ToolCall(code, "hi")
 
 
 # -- parse_tool_call ------------------------------------------------------------
@@ -47,16 +47,16 @@ def test_no_tool_call_is_none():
 
 
 def test_well_formed_call_gives_code_and_stdin():
-    assert parse_tool_call(call_text({"code": "print(1)", "input": "5"})) == ("print(1)", "5")
+    assert parse_tool_call(call_text({"code": "print(1)", "input": "5"})) == ToolCall("print(1)", "5")
 
 
 def test_missing_input_defaults_to_empty_stdin():
-    assert parse_tool_call(call_text({"code": "print(1)"})) == ("print(1)", "")
+    assert parse_tool_call(call_text({"code": "print(1)"})) == ToolCall("print(1)", "")
 
 
 def test_only_the_first_call_runs():
     text = call_text({"code": "print(1)", "input": ""}) + call_text({"code": "print(2)", "input": ""})
-    assert parse_tool_call(text) == ("print(1)", "")
+    assert parse_tool_call(text) == ToolCall("print(1)", "")
 
 
 @pytest.mark.parametrize("text, says", [
@@ -71,8 +71,39 @@ def test_only_the_first_call_runs():
 ])
 def test_malformed_call_returns_an_error_message(text, says):
     out = parse_tool_call(text)
-    assert isinstance(out, str), f"a malformed call must yield an error string, got {out!r}"
-    assert says in out, f"error message {out!r} should mention {says!r}"
+    assert out is not None and out.error is not None, f"a malformed call must yield an error, got {out!r}"
+    assert (out.code, out.stdin) == ("", ""), "a malformed call has no program to run"
+    assert says in out.error, f"error message {out.error!r} should mention {says!r}"
+
+
+def test_a_second_tool_is_offered_and_parsed_only_where_a_run_names_it(monkeypatch):
+    parameters = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
+    spec = {"type": "function", "function": {"name": "simplify", "parameters": parameters}}
+    monkeypatch.setitem(TOOLS, "simplify", Tool(spec, lambda a: (f"print({a['expression']})", "")))
+    both = system_prompt(("python", "simplify"))
+    assert system_prompt() == SYSTEM_PROMPT and '"name":"simplify"' not in SYSTEM_PROMPT
+    assert '"name":"simplify"' in both and f'"name":"{TOOL_NAME}"' in both, "the prompt must list every tool"
+    text = call_text({"expression": "1+1"}, name="simplify")
+    assert parse_tool_call(text, ("python", "simplify")) == ToolCall("print(1+1)", ""), "its program must run"
+    assert "unknown tool" in parse_tool_call(text).error, "a tool the run did not offer must be refused"
+    missing = parse_tool_call(call_text({}, name="simplify"), ("python", "simplify"))
+    assert 'missing argument "expression"' in missing.error
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_every_tool_is_offered_and_its_required_arguments_make_a_program(name):
+    function = TOOLS[name].spec["function"]
+    offered = ("python", name)
+    assert f'"name":"{function["name"]}"' in system_prompt(offered), f"{name} is missing from the system prompt"
+    args = {arg: "1" for arg in function["parameters"]["required"]}
+    call = parse_tool_call(call_text(args, name=function["name"]), offered)
+    assert call.error is None and call.code.strip(), f"{name}: its required arguments must make a program"
+
+
+def test_pad_id_is_the_pad_token_else_eos_else_zero():
+    Tok = namedtuple("Tok", "pad_token_id eos_token_id")
+    assert [pad_token_id(Tok(5, 2)), pad_token_id(Tok(None, 2)), pad_token_id(Tok(None, 0)),
+            pad_token_id(Tok(None, None))] == [5, 2, 0, 0], "train.py and sft.py must pad with the same id"
 
 
 # -- format_tool_response -------------------------------------------------------
@@ -310,7 +341,7 @@ def test_a_turn_ending_with_any_of_the_models_eos_ids_is_finished(qwen3_tokenize
     turn = tok.encode("17 * 23 = 391.</reason><answer>\\boxed{391}</answer>", add_special_tokens=False)
     traj = Trajectory(index=0, gold="391")
     assert end_turn(traj, turn + [151643], [0.0] * (len(turn) + 1), tok, cfg) is None
-    score([traj], sandbox=None)
+    score([traj], sandbox=None, cfg=RolloutConfig())
     assert (traj.finish_reason, traj.reward) == ("answer", 1.0), \
         "a turn ended by <|endoftext|> was taken as truncated: a correct answer got reward 0"
     cut = Trajectory(index=1, gold="391")
@@ -320,6 +351,6 @@ def test_a_turn_ending_with_any_of_the_models_eos_ids_is_finished(qwen3_tokenize
 
 def test_a_tool_call_whose_code_prints_the_closing_tag_parses():
     code = 'print("</tool_call>")\nprint("done")'
-    assert parse_tool_call("Now.</reason>" + render_tool_call(code)) == (code, "")
+    assert parse_tool_call("Now.</reason>" + render_tool_call(code)) == ToolCall(code, "")
     unclosed = '<tool_call>\n{"name": "%s", "arguments": {"code": "print(1)"}}\n' % TOOL_NAME
-    assert "not closed" in parse_tool_call(unclosed + "and then some text")
+    assert "not closed" in parse_tool_call(unclosed + "and then some text").error

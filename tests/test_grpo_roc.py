@@ -5,10 +5,11 @@ import random
 import pytest
 import torch
 
-from grpo_roc import (DOWNSAMPLERS, PENALTY_EPS, downsample_uniform, drop_sandbox_failures,
-                      effective_sample_size, filter_void_turns, format_penalty, group_advantages,
-                      mismatch_correction, policy_loss, resample_on_correct, roc_weight, tool_error_penalty)
+from grpo_roc import (DOWNSAMPLERS, PENALTY_EPS, POSITIVE_WEIGHTS, downsample_uniform, drop_sandbox_failures,
+                      filter_void_turns, format_penalty, group_advantages, loss_denominator, mismatch_correction,
+                      policy_loss, resample_on_correct, roc_weight, tool_error_penalty)
 from rollout import Trajectory
+from update import effective_sample_size
 
 
 def traj(reward, calls=1, failures=None, answers=1, turns=2, index=0, void_turns=0, sandbox_failed=False):
@@ -143,24 +144,49 @@ def test_downsample_uniform_keeps_g_uniformly():
         assert abs(hits[id(t)] / n - 0.5) < 5 * math.sqrt(0.25 / n), "uniform ablation is biased"
 
 
-def test_every_downsampler_takes_the_registry_signature():
-    assert set(DOWNSAMPLERS) == {"roc", "uniform"}
+@pytest.mark.parametrize("name", sorted(DOWNSAMPLERS))
+def test_every_downsampler_takes_the_registry_signature(name):
     group = group_of(3, 5)
-    for name, sampler in DOWNSAMPLERS.items():
-        kept, stats = sampler(group, 4, random.Random(0), positive_weight=None, setting_of_another_arm=1)
-        assert len(kept) == 4, f"{name} did not keep G with extra settings"
+    for n_pos, n_neg in [(3, 5), (0, 8), (1, 1)]:   # a mixed 2G, an all-equal group, a short group
+        group = group_of(n_pos, n_neg)
+        kept, stats = DOWNSAMPLERS[name](group, 4, random.Random(0), setting_of_another_arm=1)
         assert set(stats) == {"dropped_all_equal", "short_group", "n_pos", "n_neg"}, name
+        assert len(kept) == (0 if n_pos == 0 else min(4, len(group))), f"{name} did not keep G with extra settings"
+        assert ids(kept) == [id(t) for t in group if id(t) in set(ids(kept))], f"{name} broke the group's order"
+        assert stats["n_pos"] + stats["n_neg"] == len(kept) and stats["dropped_all_equal"] == (n_pos == 0)
 
 
-def test_a_variant_of_roc_is_one_setting_uniform_positives_for_example():
+@pytest.mark.parametrize("name", sorted(POSITIVE_WEIGHTS))
+def test_every_positive_weight_is_a_positive_number_roc_can_draw_by(name):
+    rollouts = [traj(1, calls=2), traj(1, calls=0, answers=0), traj(1, calls=3, failures={"error": 3}, answers=4)]
+    assert all(0 < POSITIVE_WEIGHTS[name](t) < math.inf for t in rollouts), f"{name}: weights must be > 0, finite"
+    kept, _ = resample_on_correct(rollouts + [traj(0), traj(0)], 3, random.Random(0), positive_weight=name)
+    assert len(kept) == 3
+
+
+def test_a_variant_of_roc_is_one_setting_uniform_positives_for_example(monkeypatch):
     flawless, sloppy = traj(1, calls=2), traj(1, calls=0, answers=0)   # p_total 0 and 1.5
     group = [flawless, sloppy, traj(0), traj(0)]
     assert roc_weight(flawless) == 1 / PENALTY_EPS and roc_weight(sloppy) == 1 / (1.5 + PENALTY_EPS)
+    monkeypatch.setitem(POSITIVE_WEIGHTS, "flat", lambda t: 1.0)
     n = 400
-    for weight, lo, hi in [(None, 0.99, 1.0), (lambda t: 1.0, 0.35, 0.65)]:
+    for weight, lo, hi in [("roc", 0.99, 1.0), ("flat", 0.35, 0.65)]:
         hits = sum(id(flawless) in ids(resample_on_correct(group, 2, random.Random(i), positive_weight=weight)[0])
                    for i in range(n))
         assert lo <= hits / n <= hi, f"flawless kept {hits / n:.2f}: the positives' weight was not used"
+    with pytest.raises(ValueError, match="HINT"):
+        resample_on_correct(group, 2, random.Random(0), positive_weight="no such weight")
+
+
+def test_the_loss_denominator_is_the_steps_loss_tokens_and_divides_only_the_loss():
+    kept = [Trajectory(index=0, loss_mask=[0, 1, 1]), Trajectory(index=1, loss_mask=[1, 1, 0, 1])]
+    assert loss_denominator(kept) == 5 and loss_denominator([]) == 1, "DAPO's token-level mean: 5 loss tokens"
+    logp = torch.tensor([[-1.0, -2.0]])
+    args = (logp, logp, torch.tensor([1.0]), torch.ones(1, 2), 4)
+    loss, metrics = policy_loss(*args)
+    halved, same = policy_loss(*args, denominator=8)
+    assert math.isclose(halved.item(), loss.item() / 2), "the denominator must divide the loss"
+    assert same == metrics, "the metrics stay per loss token whatever divides the loss"
 
 
 def test_seeded_rng_is_reproducible():
@@ -407,3 +433,15 @@ def test_effective_sample_size_bounds():
     assert effective_sample_size(4.0, 4.0, 4) == 1.0, "equal weights must give ESS 1"
     assert effective_sample_size(1.0, 1.0, 4) == 0.25, "one nonzero weight of 4 must give 1/4"
     assert effective_sample_size(0.0, 0.0, 0) == 1.0
+
+
+@pytest.mark.parametrize("setting, says", [("typo=1", "not a setting of --downsample roc"),
+                                           ("positive_weight=nope", "unknown positive_weight 'nope'")])
+def test_train_py_checks_the_downsamplers_settings_before_anything_slow(setting, says, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "train.py", "--downsample-setting", setting, "--data", str(tmp_path / "x")],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and says in out.stderr and "HINT" in out.stderr, out.stderr[-1000:]
+    assert "no such file" not in out.stderr, "the setting must be checked before the data is read"

@@ -95,9 +95,9 @@ def roll_out(engine, tokenizer, sandbox, trajs, cfg) -> dict[int, list[str]]:
             call = end_turn(t, *turn_tokens(outputs[request_id(t)].outputs[0]), tokenizer, cfg)
             if call is not None:
                 calls.append((t, call))
-        results = iter(sandbox.run_batch([call for _, call in calls if not isinstance(call, str)]))
+        results = iter(sandbox.run_batch([(c.code, c.stdin) for _, c in calls if c.error is None]))
         for t, call in calls:
-            result = call if isinstance(call, str) else next(results)  # a parse error is its own output
+            result = call.error if call.error is not None else next(results)  # an error is its own output
             before = len(t.response_ids)
             add_tool_turn(t, result, tokenizer, cfg)
             if len(t.response_ids) > before:
@@ -105,7 +105,7 @@ def roll_out(engine, tokenizer, sandbox, trajs, cfg) -> dict[int, list[str]]:
                     result = format_tool_response(result, cfg.max_tool_chars)
                 shown[t.index].append(result)
         active = [t for t in active if not t.finish_reason]
-    score(trajs, sandbox)
+    score(trajs, sandbox, cfg)
     return shown
 
 

@@ -1,10 +1,13 @@
 """The agent loop: the turn state machine (fast, scripted turns) and real vLLM rollouts (slow)."""
+import argparse
 import json
 
 import pytest
 
-from conversation import IM_END, format_tool_response, render_tool_call, render_tool_turn
-from rollout import RolloutConfig, Trajectory, add_tool_turn, end_turn, score, start_trajectories
+import rollout
+from conversation import IM_END, TOOLS, Tool, ToolCall, format_tool_response, render_tool_call, render_tool_turn
+from rollout import (RolloutConfig, Trajectory, add_rollout_flags, add_tool_turn, end_turn, rollout_config, score,
+                     start_trajectories)
 from sandbox import SANDBOX_FAILURE
 from sandbox import ExecResult
 
@@ -37,7 +40,7 @@ ANSWER = "The tool says 408.</reason>\n<answer>\\boxed{408}</answer>" + IM_END
 
 def test_tool_call_turn_returns_the_call_and_tool_turn_is_masked_out(tok):
     cfg, traj = RolloutConfig(), fresh(tok)
-    assert turn(tok, traj, CALL, cfg) == ("print(12 * 34)", "")
+    assert turn(tok, traj, CALL, cfg) == ToolCall("print(12 * 34)", "")
     n_sampled = len(traj.response_ids)
     add_tool_turn(traj, ExecResult("ok", "408\n", "", 0.01, False), tok, cfg)
     tool_ids = ids(tok, render_tool_turn("408"))
@@ -92,8 +95,9 @@ def test_tool_turn_that_does_not_fit_ends_with_length_and_is_not_appended(tok):
 
 def test_malformed_call_is_a_parse_failure_and_the_model_sees_the_error(tok):
     cfg, traj = RolloutConfig(), fresh(tok)
-    err = turn(tok, traj, "Compute.</reason>\n<tool_call>\n{\"name\": oops}\n</tool_call>" + IM_END, cfg)
-    assert isinstance(err, str) and err.startswith("Failed to decode tool call")
+    call = turn(tok, traj, "Compute.</reason>\n<tool_call>\n{\"name\": oops}\n</tool_call>" + IM_END, cfg)
+    err = call.error
+    assert err.startswith("Failed to decode tool call") and call.code == ""
     add_tool_turn(traj, err, tok, cfg)
     assert traj.tool_failures == {"parse": 1} and traj.tool_calls == 1
     assert err in tok.decode(traj.response_ids), "the parse error must come back as the tool output"
@@ -112,9 +116,34 @@ def test_truncated_trajectory_gets_reward_zero_even_with_a_right_answer(tok):
     good, cut = fresh(tok), fresh(tok)
     turn(tok, good, ANSWER, cfg)
     turn(tok, cut, "Done.</reason>\n<answer>\\boxed{408}</answer> and more", cfg)
-    score([good, cut], sandbox=None)
+    score([good, cut], sandbox=None, cfg=RolloutConfig())
     assert (good.reward, cut.reward) == (1.0, 0.0) and cut.finish_reason == "length"
     assert good.correct and cut.correct, "grading says whether the answer is right; the reward adds the rest"
+
+
+def test_the_reward_sees_the_runs_settings(monkeypatch):
+    seen = []
+    monkeypatch.setattr(rollout, "reward", lambda t, cfg: seen.append(cfg) or cfg.max_response / 1000)
+    traj, cfg = Trajectory(index=0, answer="7", gold="7", finish_reason="answer"), RolloutConfig(max_response=123)
+    score([traj], sandbox=None, cfg=cfg)
+    assert seen == [cfg] and traj.reward == 0.123, "score must hand the run's RolloutConfig to the reward"
+    assert traj.correct, "grading stays apart from the reward"
+
+
+def test_a_run_given_two_tools_offers_both_and_parses_a_call_to_the_second(tok, monkeypatch):
+    spec = {"type": "function", "function": {"name": "double", "parameters": {"type": "object", "properties": {
+        "n": {"type": "string"}}, "required": ["n"]}}}
+    monkeypatch.setitem(TOOLS, "double", Tool(spec, lambda a: (f"print(2 * {a['n']})", "")))
+    parser = argparse.ArgumentParser()
+    add_rollout_flags(parser)
+    cfg = rollout_config(parser.parse_args(["--tools", "python", "double"]))
+    assert cfg.tools == ("python", "double") and RolloutConfig().tools == ("python",)
+    traj = start_trajectories(tok, [{"question": "What is 2 * 21?", "answer": "42"}], 1, tools=cfg.tools)[0]
+    plain = start_trajectories(tok, [{"question": "What is 2 * 21?", "answer": "42"}], 1)[0]
+    assert '"double"' in tok.decode(traj.prompt_ids) and '"double"' not in tok.decode(plain.prompt_ids)
+    text = 'Double it.</reason>\n<tool_call>\n{"name": "double", "arguments": {"n": "21"}}\n</tool_call>' + IM_END
+    assert turn(tok, traj, text, cfg) == ToolCall("print(2 * 21)", ""), "the second tool's call must run"
+    assert turn(tok, plain, text, RolloutConfig()).error is not None, "a run without it must refuse the call"
 
 
 def test_a_sandbox_failure_ends_the_trajectory_marked_and_is_not_the_models_tool_error(tok):

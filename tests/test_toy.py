@@ -68,9 +68,9 @@ def evaluate(model_dir, problems, max_turns=4, max_new_tokens=64, temperature=0.
                     s["text"] += text
                     call = parse_tool_call(text)
                     if s["first"] is None:
-                        s["first"] = ("tool" if isinstance(call, tuple) else
+                        s["first"] = ("tool" if call is not None and call.error is None else
                                       "answer" if call is None and extract_answer(text) is not None else "malformed")
-                        s["first_code"] = call[0] if isinstance(call, tuple) else None
+                        s["first_code"] = call.code if s["first"] == "tool" else None
                     if eos not in new or call is None or turn == max_turns - 1:
                         s["done"], s["answer"] = True, extract_answer(text) if eos in new else None
                         continue

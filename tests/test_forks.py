@@ -1,0 +1,141 @@
+"""The README's forks, exactly as written there: each applied to a copy of the repository, whose fast tests
+that the fork touches then run in a subprocess, with a check that the fork does what the README says.
+
+A fork in the README is a ```diff block right after a `<!-- fork: NAME -->` line; the paragraph above it
+says the lines it takes ("+a/-b"). FORKS below names, for each, the tests to run in the copy and its check
+(a test module written into the copy). A fork in the README without an entry here fails, and so does
+an entry without its fork."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FORK_RE = re.compile(r"((?:[^\n]+\n)+)\n<!-- fork: ([\w-]+) -->\n```diff\n([\s\S]*?)```\n")
+
+# name -> (the tests it touches, run in the copy; the check that it took effect, a test module)
+FORKS = {
+    "uniform-positives": (["tests/test_grpo_roc.py::test_every_downsampler_takes_the_registry_signature",
+                           "tests/test_grpo_roc.py::test_every_positive_weight_is_a_positive_number_roc_can_draw_by"
+                           ],
+                          """
+        import subprocess, sys
+        from grpo_roc import POSITIVE_WEIGHTS
+        from rollout import Trajectory
+
+        def test_uniform_positives_weigh_alike_and_train_py_takes_the_setting(tmp_path):
+            sloppy, clean = Trajectory(0, tool_calls=0, num_answers=0), Trajectory(0, tool_calls=1)
+            assert POSITIVE_WEIGHTS["uniform"](sloppy) == POSITIVE_WEIGHTS["uniform"](clean) == 1.0
+            out = subprocess.run([sys.executable, "train.py", "--downsample-setting", "positive_weight=uniform",
+                                  "--data", str(tmp_path / "none.jsonl")], capture_output=True, text=True)
+            assert "no such file" in out.stderr, "train.py refused the setting: " + out.stderr[-500:]
+        """),
+    "format-penalty": (["tests/test_eval.py", "tests/test_rollout.py"], """
+        from rollout import RolloutConfig, Trajectory, reward
+
+        def test_a_second_answer_costs_a_tenth():
+            once, twice = (Trajectory(0, correct=True, num_answers=n, finish_reason="answer") for n in (1, 2))
+            assert (reward(once, RolloutConfig()), reward(twice, RolloutConfig())) == (1.0, 0.9)
+        """),
+    "three-tool-calls": (["tests/test_rollout.py"], """
+        from conversation import IM_END, render_tool_call
+        from rollout import RolloutConfig, end_turn, start_trajectories
+        from test_rollout import tok  # noqa: F401 (the fixture)
+
+        def test_the_fourth_call_is_not_run(tok):
+            traj = start_trajectories(tok, [{"question": "1 + 1", "answer": "2"}], 1)[0]
+            text = "Compute.</reason>" + render_tool_call("print(1 + 1)") + IM_END
+            ids = tok.encode(text, add_special_tokens=False)
+            calls = [end_turn(traj, ids, [-0.5] * len(ids), tok, RolloutConfig()) for _ in range(4)]
+            assert [c is not None for c in calls] == [True, True, True, False] and traj.tool_calls == 3
+            assert traj.finish_reason == "max_turns"
+        """),
+    "dr-grpo": (["tests/test_update.py::test_the_step_does_not_depend_on_how_it_is_cut_into_micro_batches"], """
+        import torch
+        from grpo_roc import group_advantages, loss_denominator
+        from rollout import Trajectory
+
+        def test_advantages_are_centred_not_scaled_and_the_loss_is_per_sequence():
+            want = torch.tensor([0.75, -0.25, -0.25, -0.25])
+            assert torch.allclose(group_advantages([1.0, 0.0, 0.0, 0.0]), want)
+            kept = [Trajectory(0, loss_mask=[1] * 10), Trajectory(0, loss_mask=[1] * 30)]
+            assert loss_denominator(kept) == 2
+        """),
+    "dapo-overlong": (["tests/test_eval.py"], """
+        import pytest
+        from rollout import RolloutConfig, Trajectory, reward
+
+        @pytest.mark.parametrize("length, correct, want",
+                                 [(300, True, 1.0), (350, True, 0.5), (400, True, -1.0), (350, False, -0.5)])
+        def test_the_penalty_grows_over_the_budgets_last_quarter(length, correct, want):
+            t = Trajectory(0, response_ids=[0] * length, correct=correct,
+                           finish_reason="length" if length == 400 else "answer")
+            assert reward(t, RolloutConfig(max_response=400)) == pytest.approx(want)
+        """),
+    "sympy-tool": (["tests/test_format.py::test_a_second_tool_is_offered_and_parsed_only_where_a_run_names_it",
+                    "tests/test_format.py::test_every_tool_is_offered_and_its_required_arguments_make_a_program"],
+                   """
+        from conversation import parse_tool_call, system_prompt
+        from test_format import call_text
+
+        def test_the_model_can_call_sympy_where_the_run_offers_it(sandbox):
+            assert "simplify_with_sympy" in system_prompt(("python", "sympy"))
+            call = parse_tool_call(call_text({"expression": "(x**2 - 1)/(x - 1)"}, "simplify_with_sympy"),
+                                   ("python", "sympy"))
+            assert call.error is None and sandbox.run(call.code, call.stdin).stdout.strip() == "x + 1"
+        """),
+}
+
+
+def readme_forks() -> dict[str, tuple[str, str]]:
+    """name -> (the paragraph above the fork, its patch), as the README has them."""
+    return {name: (text, patch) for text, name, patch in FORK_RE.findall((ROOT / "README.md").read_text())}
+
+
+def test_every_readme_fork_is_checked_here_and_says_the_lines_it_takes():
+    forks = readme_forks()
+    assert set(forks) == set(FORKS), "each README fork needs its entry in FORKS, and each entry its fork"
+    for name, (text, patch) in forks.items():
+        lines = patch.splitlines()
+        files = {line[len("+++ b/"):] for line in lines if line.startswith("+++ b/")}
+        added = sum(line.startswith("+") and not line.startswith("+++") for line in lines)
+        removed = sum(line.startswith("-") and not line.startswith("---") for line in lines)
+        assert 1 <= len(files) <= 2, f"{name}: a fork takes at most two files, this one {sorted(files)}"
+        assert f"+{added}/-{removed}" in text, f"{name}: the README must say it takes +{added}/-{removed}"
+
+
+def repository_copy(dest: Path) -> Path:
+    """The checkout's files (tracked, and new ones git does not ignore) under dest; .venv linked."""
+    git = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    listed = subprocess.run(git, cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    if (ROOT / ".venv").exists():
+        os.symlink(ROOT / ".venv", dest / ".venv")
+    return dest
+
+
+@pytest.mark.parametrize("name", sorted(FORKS))
+def test_the_readme_fork_applies_and_passes_the_tests_it_touches(name, tmp_path):
+    text, patch = readme_forks()[name]
+    copy = repository_copy(tmp_path / "repo")
+    (tmp_path / "fork.diff").write_text(patch)
+    applied = subprocess.run(["git", "apply", "--verbose", str(tmp_path / "fork.diff")], cwd=copy,
+                             capture_output=True, text=True)
+    assert applied.returncode == 0, f"the README's {name} fork no longer applies:\n{applied.stderr}\n" \
+                                    "---> HINT: update its patch in the README to today's code"
+    tests, check = FORKS[name]
+    (copy / "tests" / "test_fork_check.py").write_text(textwrap.dedent(check))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider"]
+    run = subprocess.run([*pytest_cmd, *tests, "tests/test_fork_check.py"], cwd=copy, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, \
+        f"with the {name} fork applied, its tests fail:\n{run.stdout[-4000:]}{run.stderr[-2000:]}"

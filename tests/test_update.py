@@ -1,0 +1,108 @@
+"""The policy update (update.py) on a tiny random Qwen3 model: one process, no vLLM, no torchrun.
+
+train.py's step 4 is these calls; here they run on hand-made trajectories whose prompts share a
+start (like the system prompt), so the shared-prefix path and the micro-batch plan run too."""
+import argparse
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from batch import ProblemQueue
+from rollout import TOKENS, Trajectory
+from update import METRICS, SUMMED, Policy, old_logprobs, policy_update
+
+VOCAB, SHARED_START = 64, [1, 2, 3, 4, 5, 6]
+PROBES = [SHARED_START + [7, 8], SHARED_START + [9, 10]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group_of_one():
+    from training import init_distributed
+    init_distributed()  # (a process group of one, as train.py makes without torchrun)
+
+
+def tiny_model(seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    return Qwen3ForCausalLM(config).train()
+
+
+def settings(**changes):
+    """The update's flags, as train.py's argparse gives them (its defaults, but no gradient clipping)."""
+    flags = dict(temperature=1.0, micro_batch_tokens=4096, mini_batches=1, eps_low=0.2, eps_high=0.28,
+                 grad_clip=1e9, mismatch_correction="none", mismatch_threshold=2.0)
+    return argparse.Namespace(**dict(flags, **changes))
+
+
+def rollouts(n=6, seed=0):
+    """n scored trajectories: a shared prompt start, then a sampled turn, a tool turn, a sampled turn."""
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for i in range(n):
+        turns = [(rng.integers(11, VOCAB, rng.integers(2, 6)), m) for m in (1, 0, 1)]
+        t = Trajectory(index=i // 2, sample=i % 2, prompt_ids=SHARED_START + list(rng.integers(11, VOCAB, 2 + i)),
+                       response_ids=[int(x) for ids, _ in turns for x in ids],
+                       loss_mask=[m for ids, m in turns for _ in ids],
+                       logprobs=[-3.0 * m for ids, m in turns for _ in ids])
+        for name, dtype in TOKENS.items():  # (as rollout.score leaves them)
+            setattr(t, name, np.asarray(getattr(t, name), dtype))
+        trajs.append(t)
+    return trajs
+
+
+def update(model, optimizer, kept, advantages, probes=(), **changes):
+    policy = Policy(model, optimizer, 0, torch.device("cpu"), settings(**changes), probes=list(probes))
+    return policy_update(policy, kept, advantages, ProblemQueue())
+
+
+def test_one_update_on_a_tiny_model_moves_the_weights_on_policy_and_reports_every_metric():
+    model, kept = tiny_model(), rollouts()
+    before = [p.detach().clone() for p in model.parameters()]
+    row = update(model, torch.optim.AdamW(model.parameters(), lr=1e-2), kept, [1.0, -1.0] * 3, PROBES)
+    reported = set(METRICS) - {"ess_sum_w", "ess_sum_w2", "ess_n"} | {"ess", "optimizer_steps"}
+    assert set(row) == reported, f"the update must report each metric of METRICS once, got {sorted(row)}"
+    assert math.isfinite(row["loss"]) and row["grad_norm"] > 0 and row["optimizer_steps"] == 1
+    assert math.isclose(row["ratio_mean"], 1.0, abs_tol=1e-6), "one step per RL step: the ratio is 1"
+    assert row["clip_frac_low"] == row["clip_frac_high"] == 0, "nothing is clipped at ratio 1"
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters())), "the step moved nothing"
+
+
+def test_the_update_scores_exactly_the_sampled_tokens():
+    """Sampler log-probs set to the trainer's own: the mismatch must vanish (each token at its position)."""
+    model, kept = tiny_model(), rollouts()
+    policy = Policy(model, None, 0, torch.device("cpu"), settings(), probes=PROBES)
+    for t, logp in zip(kept, old_logprobs(policy, kept)):
+        t.logprobs = (logp[len(t.prompt_ids) - 1:].numpy() * t.loss_mask).astype(np.float32)
+    row = update(model, torch.optim.SGD(model.parameters(), lr=0.0), kept, [1.0, -1.0] * 3, PROBES)
+    assert row["logprob_mismatch_max"] < 1e-5, f"trainer and sampler disagree by {row['logprob_mismatch_max']}"
+
+
+@pytest.mark.parametrize("micro_batch_tokens, probes", [(24, PROBES), (24, ()), (40, PROBES)])
+def test_the_step_does_not_depend_on_how_it_is_cut_into_micro_batches(micro_batch_tokens, probes):
+    """One micro-batch for all against many (each row alone at 24 tokens), with and without the shared
+    prefix: the same gradient (SGD: the same weights) and every summed metric the same."""
+    kept, advantages = rollouts(), [0.5, -1.5, 1.0, -1.0, 2.0, 0.0]
+    rows, weights = [], []
+    for tokens, prefix_probes in [(4096, ()), (micro_batch_tokens, probes)]:
+        model = tiny_model()
+        rows.append(update(model, torch.optim.SGD(model.parameters(), lr=1.0), kept, advantages, prefix_probes,
+                           micro_batch_tokens=tokens))
+        weights.append([p.detach() for p in model.parameters()])
+    for a, b in zip(*weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg="the gradient depends on the micro-batches")
+    for key in [k for k in SUMMED if not k.startswith("ess_")] + ["ess"]:  # (the ess sums become "ess")
+        assert math.isclose(rows[0][key], rows[1][key], rel_tol=1e-4, abs_tol=1e-7), \
+            f"{key} must be summed over every micro-batch, not taken from one"
+
+
+def test_several_mini_batches_step_from_the_policy_before_the_first():
+    model, kept = tiny_model(), rollouts(8)
+    row = update(model, torch.optim.AdamW(model.parameters(), lr=5e-2), kept, [1.0, -1.0] * 4, PROBES,
+                 mini_batches=2)
+    assert row["optimizer_steps"] == 2
+    assert not math.isclose(row["ratio_mean"], 1.0, abs_tol=1e-6), \
+        "the second step's ratio must be against the policy before the first step"
