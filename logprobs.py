@@ -195,3 +195,11 @@ class SharedPrefix:
             grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self._leaves]
             torch.autograd.backward(self._outputs, grads)
         self._outputs = self._leaves = []
+
+
+def empty_pass(model, pad_id: int, device) -> None:
+    """A forward (and, with gradients on, a backward) of two tokens, zero loss: a rank's pass with nothing."""
+    input_ids = torch.full((1, 2), pad_id, device=device)
+    logp = token_logprobs(model, input_ids, torch.ones_like(input_ids))
+    if torch.is_grad_enabled():
+        (logp.sum() * 0.0).backward()

@@ -25,9 +25,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from conversation import pad_token_id, render_messages
-from logprobs import SharedPrefix, shared_prefix_length, token_logprobs
-from training import (empty_pass, init_distributed, load_sharded_model, plan_micro_batches, right_pad,
-                      save_hf_checkpoint)
+from logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logprobs
+from training import init_distributed, load_sharded_model, plan_micro_batches, right_pad, save_hf_checkpoint
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's recipe; a preset replaces some of them.

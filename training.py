@@ -34,7 +34,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from conversation import CHAT_TEMPLATE
-from logprobs import token_logprobs
 
 # -----------------------------------------------------------------------------
 # (1) The process group
@@ -49,12 +48,10 @@ CUDA_DRIVER = {12: "R525", 13: "R580"}
 
 
 def gpus_torch_cannot_use() -> str | None:
-    """Why this GPU build of torch cannot run on the GPUs the machine has; None when it can, or when the
-    machine shows none (a CPU run). An older driver than the build's CUDA needs makes
-    torch.cuda.is_available() false with no more than a warning (torch/cuda/__init__.py is_available),
-    so without this a GPU run would quietly become a CPU run. The GPUs are counted the way torch does
-    without CUDA (NVML or amdsmi, within CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES:
-    torch/cuda/__init__.py _device_count_nvml, _device_count_amdsmi): CUDA_VISIBLE_DEVICES= runs on CPUs."""
+    """Why this GPU build of torch cannot run on the machine's GPUs; None when it can or there are none. An
+    older driver than the build's CUDA needs makes torch.cuda.is_available() false with only a warning:
+    a GPU run would quietly become a CPU run. GPUs are counted as torch does without CUDA (NVML or
+    amdsmi, within CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES: torch/cuda/__init__.py)."""
     if torch.cuda.is_available():
         return None
     build = f"this torch ({torch.__version__}) is built for"
@@ -120,12 +117,10 @@ def shard_model(model, device):
 
 
 def expandable_segments(on: bool) -> None:
-    """The caching allocator's expandable segments: on while the trainer works (a segment grows in place
-    where it would leave a new one beside the old, so reserved memory stays near allocated: docs/gpu.md),
-    off while the engine is awake (engine.trainer_offloaded: vLLM's sleep pools want plain segments).
-    Only that field of the allocator's settings changes: torch resets every field a settings string
-    leaves out (torch 2.13, c10/core/AllocatorConfig.h). The same call on every device; the CUDA
-    allocator reads it for each new segment, the CPU one never."""
+    """The caching allocator's expandable segments: on while the trainer works (a segment grows in place,
+    so reserved memory stays near allocated: docs/gpu.md), off while the engine is awake
+    (engine.trainer_offloaded: vLLM's sleep pools want plain segments). Only that field changes: torch
+    resets every field a settings string leaves out (torch 2.13, c10/core/AllocatorConfig.h)."""
     current = torch._C._accelerator_getAllocatorSettings() or os.environ.get(
         "PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     fields = [f for f in current.split(",") if f.strip() and f.split(":")[0].strip() != "expandable_segments"]
@@ -172,7 +167,7 @@ def plan_micro_batches(lengths: list[int], budget: int, world_size: int,
     """Per rank, its micro-batches as lists of indices into `lengths`: rows x longest row <= budget, or
     with `packed` (rows run back to back, logprobs.token_logprobs(packed=True)) their tokens <= budget,
     each sequence in the first micro-batch with room; a longer sequence goes alone. All ranks get as
-    many (empty ones at the end: see empty_pass)."""
+    many (empty ones at the end: see logprobs.empty_pass)."""
     shares, load = [[] for _ in range(world_size)], [0] * world_size
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # longest first, to the lightest rank
         lightest = load.index(min(load))
@@ -215,24 +210,6 @@ def trajectory_tensors(trajs, pad_id: int, device):
     sampler_logp = right_pad([np.pad(t.logprobs, k) for k, t in zip(pre, trajs)], 0.0, torch.float)  # (B,T-1)
     return tuple(x.to(device) for x in (input_ids, attention_mask, loss_mask, sampler_logp))
 
-
-def mean_over_steps(steps: list[dict], keys: list[str], device) -> dict:
-    """Each key of one dict per optimizer step: summed over ranks, then averaged over the steps; a key
-    ending in "_max" is the largest instead. In float64: sums of many small terms keep their digits."""
-    values = torch.tensor([[s[k] for k in keys] for s in steps], dtype=torch.float64).to(device)  # (K, keys)
-    total, highest = values.clone(), values.clone()
-    dist.all_reduce(total)
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)                   # (keys,)
-    return dict(zip(keys, torch.where(is_max, highest.max(0).values, total.mean(0)).tolist()))
-
-
-def empty_pass(model, pad_id: int, device) -> None:
-    """A forward (and, with gradients on, a backward) of two tokens, zero loss: a rank's pass with nothing."""
-    input_ids = torch.full((1, 2), pad_id, device=device)
-    logp = token_logprobs(model, input_ids, torch.ones_like(input_ids))
-    if torch.is_grad_enabled():
-        (logp.sum() * 0.0).backward()
 
 # -----------------------------------------------------------------------------
 # (4) The HF export

@@ -11,10 +11,11 @@ process (world size 1) it is the same code, which is how tests run it on a tiny 
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from grpo_roc import loss_denominator, mismatch_correction, policy_loss
-from logprobs import SharedPrefix, shared_prefix_length, token_logprobs
-from training import empty_pass, mean_over_steps, plan_micro_batches, right_pad, trajectory_tensors
+from logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logprobs
+from training import plan_micro_batches, right_pad, trajectory_tensors
 
 # The metrics of one optimizer step: sums over its micro-batches (each term already / n_loss_tokens),
 # then the largest mismatch of a token and the gradient's norm; policy_update averages them over steps.
@@ -116,6 +117,17 @@ def optimizer_step(policy: Policy, kept, advantages, old) -> dict:
     policy.optimizer.zero_grad(set_to_none=True)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     return dict(sums, grad_norm=grad_norm.item() / world_size)  # (every rank has it: their sum is it)
+
+
+def mean_over_steps(steps: list[dict], keys: list[str], device) -> dict:
+    """Each key of one dict per optimizer step: summed over ranks, then averaged over the steps; a key
+    ending in "_max" is the largest instead. In float64: sums of many small terms keep their digits."""
+    values = torch.tensor([[s[k] for k in keys] for s in steps], dtype=torch.float64).to(device)  # (K, keys)
+    total, highest = values.clone(), values.clone()
+    dist.all_reduce(total)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)                   # (keys,)
+    return dict(zip(keys, torch.where(is_max, highest.max(0).values, total.mean(0)).tolist()))
 
 
 def policy_update(policy: Policy, kept, advantages, problem_queue) -> dict:
