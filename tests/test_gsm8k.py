@@ -72,7 +72,8 @@ def test_the_conversation_shows_what_the_sandbox_printed_and_a_failing_call_is_f
     assert msgs[2]["content"] == format_tool_response(results[0]) and "Error" in msgs[2]["content"]
     assert msgs[4]["content"] == "72.0"
     assert msgs[-1]["content"] == "The code printed 72.0.</reason><answer>\\boxed{72}</answer>"
-    assert parse_tool_call(render_assistant_turn(msgs[1])) == (broken, ""), "the call must parse back"
+    call = parse_tool_call(render_assistant_turn(msgs[1]))
+    assert (call.code, call.stdin, call.error) == (broken, "", None), "the call must parse back"
     ids, mask = render_messages(qwen3_tokenizer, msgs)
     assert 0 < sum(mask) < len(ids), "loss on the assistant's tokens only"
 
