@@ -132,7 +132,8 @@ def conversation(question: str, reasoning: str, calls: list[str], results: list,
         msgs.append({"role": "assistant", "content": say, "tool_call": {"code": code, "input": ""}})
         msgs.append({"role": "tool", "content": format_tool_response(result)})
     out = msgs[-1]["content"]
-    msgs.append({"role": "assistant", "content": SAY_RESULT.format(out=out) + f"<answer>\\boxed{{{answer}}}</answer>"})
+    final = SAY_RESULT.format(out=out) + f"<answer>\\boxed{{{answer}}}</answer>"
+    msgs.append({"role": "assistant", "content": final})
     return msgs
 
 
@@ -164,7 +165,8 @@ def main():
                         help="read GSM8K's train split from a JSONL or parquet file instead of the hub")
     parser.add_argument("--seed", type=int, default=0, help="the shuffle and the failing calls")
     parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
-    parser.add_argument("--n-sft", type=int, default=2000, help="problems whose solutions become SFT conversations")
+    parser.add_argument("--n-sft", type=int, default=2000,
+                        help="problems whose solutions become SFT conversations")
     parser.add_argument("--error-share", type=float, default=0.25, help="share of SFT conversations whose "
                         "first call fails and is fixed")
     args = parser.parse_args()
@@ -202,7 +204,8 @@ def main():
             counts["the chain does not compute the final answer"] += 1
             continue
         if len(calls) > 1 and results[calls[0]].status != "error":
-            sys.exit(f"a call meant to fail ran: {calls[0]!r}\n---> HINT: broken_code must make code that fails")
+            sys.exit(f"a call meant to fail ran: {calls[0]!r}\n"
+                     f"---> HINT: broken_code must make code that fails")
         msgs = conversation(row["question"], reasoning, calls, [results[c] for c in calls], final)
         conversations.append({"messages": msgs})
 
@@ -218,8 +221,8 @@ def main():
             f.writelines(json.dumps(item) + "\n" for item in items)
         print(f"{os.path.join(args.out, file)}: {len(items)}")
     n_fixed = sum(len(c["messages"]) > 4 for c in conversations)
-    print(f"SFT: {len(conversations)} of {len(sft_ids)} solutions converted, {n_fixed} with a failing first call; "
-          f"left out: {dict(counts) or 'none'}")
+    print(f"SFT: {len(conversations)} of {len(sft_ids)} solutions converted, {n_fixed} with a failing first "
+          f"call; left out: {dict(counts) or 'none'}")
 
 
 if __name__ == "__main__":

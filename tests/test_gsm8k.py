@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]
 
 import prepare_gsm8k  # noqa: E402
-from conversation import format_tool_response, parse_tool_call, render_assistant_turn, render_messages  # noqa: E402
+from conversation import (ToolCall, format_tool_response, parse_tool_call,  # noqa: E402
+                          render_assistant_turn, render_messages)
 from prepare_gsm8k import Skip, chain_code, conversation, parse_solution  # noqa: E402
 
 NATALIA = dict(question="Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
@@ -22,9 +23,10 @@ WENG = dict(question="Weng earns $12 an hour for babysitting. Yesterday, she jus
                      "How much did she earn?",
             answer="Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = "
                    "$<<0.2*50=10>>10.\n#### 10")
-BETTY = dict(question="Betty is saving money for a new wallet which costs $100. Betty has only half of the money "
-                      "she needs. Her parents decided to give her $15 for that purpose, and her grandparents twice "
-                      "as much as her parents. How much more money does Betty need to buy the wallet?",
+BETTY = dict(question="Betty is saving money for a new wallet which costs $100. Betty has only half of the "
+                      "money she needs. Her parents decided to give her $15 for that purpose, and her "
+                      "grandparents twice as much as her parents. How much more money does Betty need to buy "
+                      "the wallet?",
              answer="In the beginning, Betty has only 100 / 2 = $<<100/2=50>>50.\nBetty's grandparents gave her "
                     "15 * 2 = $<<15*2=30>>30.\nThis means, Betty needs 100 - 50 - 30 - 15 = $<<100-50-30-15=5>>5 "
                     "more.\n#### 5")
@@ -72,21 +74,21 @@ def test_the_conversation_shows_what_the_sandbox_printed_and_a_failing_call_is_f
     assert msgs[2]["content"] == format_tool_response(results[0]) and "Error" in msgs[2]["content"]
     assert msgs[4]["content"] == "72.0"
     assert msgs[-1]["content"] == "The code printed 72.0.</reason><answer>\\boxed{72}</answer>"
-    call = parse_tool_call(render_assistant_turn(msgs[1]))
-    assert (call.code, call.stdin, call.error) == (broken, "", None), "the call must parse back"
+    assert parse_tool_call(render_assistant_turn(msgs[1])) == ToolCall(broken, ""), "the call must parse back"
     ids, mask = render_messages(qwen3_tokenizer, msgs)
     assert 0 < sum(mask) < len(ids), "loss on the assistant's tokens only"
 
 
 def test_the_script_writes_disjoint_sets_and_every_conversation_reaches_its_answer(tmp_path):
     source = tmp_path / "train.jsonl"
-    rows = [NATALIA, WENG, BETTY] * 4 + [dict(question=f"Q{i}", answer=f"No steps.\n#### {i}") for i in range(4)]
+    unannotated = [dict(question=f"Q{i}", answer=f"No steps.\n#### {i}") for i in range(4)]
+    rows = [NATALIA, WENG, BETTY] * 4 + unannotated
     rows = [dict(r, question=f"{r['question']} ({i})") for i, r in enumerate(rows)]  # 16 distinct problems
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    run = subprocess.run([sys.executable, "data/prepare_gsm8k.py", "--local", f"gsm8k={source}", "--out", str(out),
-                          "--n-test", "3", "--n-sft", "8", "--error-share", "0.5"],
+    run = subprocess.run([sys.executable, "data/prepare_gsm8k.py", "--local", f"gsm8k={source}",
+                          "--out", str(out), "--n-test", "3", "--n-sft", "8", "--error-share", "0.5"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     read = {name: [json.loads(line) for line in open(out / f"{name}.jsonl")] for name in ("test", "train", "sft")}

@@ -75,12 +75,12 @@ def evaluate(model_dir, problems, max_turns=4, max_new_tokens=64, temperature=0.
                         s["done"], s["answer"] = True, extract_answer(text) if eos in new else None
                         continue
                     s["calls"] += 1
-                    if isinstance(call, str):  # a parse error is the tool's output
+                    if call.error is not None:  # a parse error is the tool's output
                         s["failures"] += 1
-                        s["ids"] += enc(render_tool_turn(call))
-                        s["text"] += call
+                        s["ids"] += enc(render_tool_turn(call.error))
+                        s["text"] += call.error
                     else:
-                        calls.append(call)
+                        calls.append((call.code, call.stdin))
                         callers.append(s)
             for s, result in zip(callers, sandbox.run_batch(calls)):
                 s["failures"] += result.status != "ok"

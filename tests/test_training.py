@@ -182,7 +182,7 @@ def test_problem_reader_checks_every_line_and_says_what_to_do(tmp_path):
         path.write_text('{"question": "ok", "answer": "1"}\n' + bad + "\n")
         with pytest.raises(ValueError, match=r"p\.jsonl:2: a problem needs a question and an answer(.|\n)*HINT"):
             read_problems(str(path))
-    with pytest.raises(FileNotFoundError, match="HINT: `python data/prepare_rl.py`"):
+    with pytest.raises(FileNotFoundError, match="HINT: data/prepare_rl.py writes data/rl.jsonl"):
         read_problems(str(tmp_path / "missing.jsonl"))
 
 
