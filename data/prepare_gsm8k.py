@@ -32,6 +32,7 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hub  # noqa: E402  (data/hub.py)
 from conversation import format_tool_response  # noqa: E402
 from grading import as_number  # noqa: E402
 
@@ -150,12 +151,10 @@ def read_rows(local: str | None) -> list[dict]:
     if local:  # a copy of the hub set on disk, read through the same call
         kind = "parquet" if local.endswith(".parquet") else "json"
         return list(load_dataset(kind, data_files=local, split="train"))
-    try:
-        return list(load_dataset(HUB_ID, HUB_CONFIG, split="train"))
-    except Exception as e:  # noqa: BLE001 (any failure to reach or read the hub ends here)
-        sys.exit(f"could not read {HUB_ID} ({HUB_CONFIG}): {type(e).__name__}: {e}\n---> HINT: without network, "
-                 f"read a copy on disk with --local gsm8k=FILE (a JSONL or parquet file with the columns "
-                 f"question and answer), or set HF_DATASETS_OFFLINE=1 to read what an earlier run cached")
+    if hub_down := hub.unreachable():  # (asked once, at once: the library would retry for ~24 s)
+        sys.exit(f"gsm8k: cannot read {HUB_ID} from the hub: {hub_down}\n"
+                 f"---> HINT: {hub.hint('--local gsm8k=FILE')}")
+    return list(load_dataset(HUB_ID, HUB_CONFIG, split="train"))
 
 
 def main():

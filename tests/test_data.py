@@ -524,3 +524,7 @@ def test_without_network_each_script_says_so_once_at_once_and_what_to_do(no_hub,
     assert code == 0 and "tulu_if: kept 1" in out and "missing sources: toolace, glaive" in out, out + err
     assert "toolace: reading" not in out and "glaive: reading" not in out, "no hub source is tried"
     assert err.count("cannot be reached") == 2 and "--local glaive=FILE" in err and "HF_HUB_OFFLINE=1" in err
+
+    code, out, err = run("prepare_gsm8k.py", "--out", tmp_path / "gsm8k")
+    assert code != 0 and "gsm8k: cannot read openai/gsm8k from the hub" in err and "cannot be reached" in err, err
+    assert "--local gsm8k=FILE" in err and "HF_HUB_OFFLINE=1" in err, err
