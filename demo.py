@@ -3,6 +3,7 @@
     .venv/bin/python demo.py                # toy: prepare -> SFT -> eval -> GRPO-RoC -> eval, a table, a plot
     .venv/bin/python demo.py --arm uniform  # the ablation (or --no-roc): uniform down-sampling, a column more
     .venv/bin/python demo.py --real         # SmolLM2-135M-Instruct: SFT, three RL stages, the stage-3 filter
+    .venv/bin/python demo.py --real gsm8k   # the same recipe on GSM8K's word problems
 
 Every stage is one of the project's own scripts, run as a subprocess with its command printed, so the
 demo is also the recipe: copy a printed line to rerun a stage. A stage whose output is already there
@@ -18,17 +19,18 @@ import subprocess
 import sys
 import time
 
-import matplotlib
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt
+import report
 
 # The toy world's RL arms: a name -> its column, output folder and train.py flags. An ablation is a line.
 ARMS = {
     "roc": dict(column="RL (RoC)", out_dir="runs/toy_rl", flags=["--downsample", "roc"]),
     "uniform": dict(column="RL (no RoC)", out_dir="runs/toy_rl_noroc", flags=["--downsample", "uniform"]),
 }
+GSM8K = "../shared/data/gsm8k/train.jsonl"  # a local copy of openai/gsm8k's train split (else the hub)
+LOCAL = os.path.exists(GSM8K)
 parser = argparse.ArgumentParser(description="The paper's recipe end to end: data, SFT, RL, evaluations.")
-parser.add_argument("--real", action="store_true", help="the real model's recipe (SmolLM2-135M-Instruct)")
+parser.add_argument("--real", nargs="?", const="arithmetic", choices=["arithmetic", "gsm8k"],
+                    help="a real recipe on SmolLM2-135M-Instruct: arithmetic (the default) or gsm8k")
 parser.add_argument("--arm", choices=list(ARMS), default="roc", help="the toy RL arm to run (a column each)")
 parser.add_argument("--no-roc", dest="arm", action="store_const", const="uniform", help="as --arm uniform")
 parser.add_argument("--steps", type=int, default=60, help="toy RL steps (about 2-3 s each on 2 cores)")
@@ -61,58 +63,69 @@ def toy_recipe():
     return stages, columns, curves, outputs
 
 
-# The real model's recipe, scaled down from the paper's (§4): each stage is the paper's, smaller.
-REAL = dict(steps=(12, 6, 6), max_response=(256, 384, 384), max_turns=(4, 4, 6), lr=5e-5,
-            sft=["--max-steps", "16", "--batch-size", "16", "--lr", "1e-4", "--warmup-ratio", "0.1"])
+# The real model's recipes, scaled down from the paper's (§4): each stage is the paper's, smaller. A recipe
+# is its world (data script, folder), where its runs go, each RL stage's problems, steps, budget and turns,
+# the RL learning rate and problems per step, the held-out problems evaluated (None: all) and SFT's flags.
+REAL = {
+    "arithmetic": dict(  # the toy world's problems, half of them in words ("A tank holds 7890 litres...")
+        world="data/real_world", runs="runs/real", held_out=None, kv_cache_tokens=32768,
+        prepare=["data/prepare_toy.py", "--out", "data/real_world", "--words", "0.5", "--n-train", "2000",
+                 "--n-test", "100", "--n-sft", "1000"], data=("train", "train", "hard"),
+        steps=(12, 6, 6), max_response=(256, 384, 384), max_turns=(4, 4, 6), lr=5e-5, problems=16,
+        sft=["--max-steps", "16", "--lr", "1e-4", "--max-len", "1024", "--micro-batch-tokens", "4096"]),
+    "gsm8k": dict(  # word problems people wrote; the SFT data is their worked solutions as tool calls
+        world="data/gsm8k", runs="runs/real_gsm8k", held_out=100, kv_cache_tokens=131072,
+        prepare=["data/prepare_gsm8k.py", "--out", "data/gsm8k", *(["--local", f"gsm8k={GSM8K}"] * LOCAL)],
+        data=("easy", "train", "hard"),  # stage 1 on the problems of at most 2 steps: some groups are right
+        steps=(6, 3, 3), max_response=(384, 512, 512), max_turns=(4, 4, 6), lr=5e-5, problems=8,
+        sft=["--max-steps", "20", "--lr", "2e-4", "--max-len", "1280", "--micro-batch-tokens", "2048"]),
+}
 
 
 def real_recipe():
     """SmolLM2-135M-Instruct (from the package index) -> SFT on tool conversations -> three RL stages
     (the second with a longer budget, the third with more turns on the problems the second does not
-    solve 4/4, with a fresh optimizer) -> a held-out evaluation after SFT and after each stage. The
-    problems are the toy world's arithmetic, half of them in words, so that reading them matters."""
-    world, smol, runs = "data/real_world", "runs/real/artefacts/smollm2-135m-instruct", "runs/real"
-    evaluate = ["eval.py", "--benchmarks", f"{world}/test.jsonl", "--n", str(args.samples), "--deterministic",
-                "--max-response", "384", "--max-turns", "10", "--kv-cache-tokens", "32768"]
+    solve 4/4, with a fresh optimizer) -> a held-out evaluation after SFT and after each stage."""
+    recipe = REAL[args.real]
+    world, runs, smol = recipe["world"], recipe["runs"], "runs/real/artefacts/smollm2-135m-instruct"
+    kv = ["--kv-cache-tokens", str(recipe["kv_cache_tokens"])]
+    held_out = ["--first", str(recipe["held_out"])] if recipe["held_out"] else []
+    evaluate = ["eval.py", "--benchmarks", f"{world}/test.jsonl", *held_out, "--n", str(args.samples),
+                "--deterministic", "--max-response", str(recipe["max_response"][-1]), "--max-turns", "10", *kv]
     columns = {"SFT": f"{runs}/eval_sft", **{f"stage {i}": f"{runs}/eval_stage{i}" for i in (1, 2, 3)}}
     stages = [("SmolLM2-135M-Instruct from the package index", f"{smol}/config.json",
-               ["data/prepare_real.py", "--out", f"{runs}/artefacts"]),
-              ("problems (half in words) and SFT conversations", f"{world}/sft.jsonl",
-               ["data/prepare_toy.py", "--out", world, "--words", "0.5", "--n-train", "2000",
-                "--n-test", "100", "--n-sft", "1000"]),
-              ("non-reasoning SFT: the tool-call format", f"{runs}/sft/model.safetensors",
+               ["data/prepare_real.py", "--out", "runs/real/artefacts"]),
+              (f"{args.real}: RL, held-out and SFT problems", f"{world}/sft.jsonl", recipe["prepare"]),
+              ("SFT: the tool-call format", f"{runs}/sft/model.safetensors",
                ["sft.py", "--model", smol, "--data", f"{world}/sft.jsonl", "--out-dir", f"{runs}/sft",
-                "--max-len", "1024", "--micro-batch-tokens", "4096", "--grad-checkpointing", "0",
-                *REAL["sft"]]),
+                "--batch-size", "16", "--warmup-ratio", "0.1", "--grad-checkpointing", "0", *recipe["sft"]]),
               ("evaluate the SFT model", columns["SFT"] + "/table.json",
                [*evaluate, "--model", f"{runs}/sft", "--out-dir", columns["SFT"]])]
-    settings = zip(REAL["steps"], REAL["max_response"], REAL["max_turns"])
-    for i, (steps, budget, turns) in enumerate(settings, 1):
-        data = f"{world}/hard.jsonl" if i == 3 else f"{world}/train.jsonl"
+    settings = zip(recipe["data"], recipe["steps"], recipe["max_response"], recipe["max_turns"])
+    for i, (name, steps, budget, turns) in enumerate(settings, 1):
+        data = f"{world}/{name}.jsonl"
         handover = [] if i == 1 else ["--init-from", f"{runs}/stage{i - 1}/checkpoints"]
         if i == 3:  # the stage-3 difficulty filter: keep the problems stage 2's policy does not solve 4/4
             stages.append(("stage-3 filter: the problems stage 2 does not solve 4/4", data,
                            ["eval.py", "--model", f"{runs}/stage2/final", "--filter-solved", "4", "--data",
-                            f"{world}/train.jsonl", "--first", "96", "--out", data, "--max-turns", "4",
-                            "--max-response", str(budget), "--kv-cache-tokens", "32768",
-                            "--out-dir", f"{runs}/filter"]))
+                            f"{world}/train.jsonl", "--first", str(6 * recipe["problems"]), "--out", data,
+                            "--max-turns", "4", "--max-response", str(budget), *kv, "--out-dir", f"{runs}/filter"]))
             handover += ["--reset-optimizer", "1"]
-        stages.append((f"RL stage {i}: {steps} steps, {budget} tokens, T = {turns}",
+        stages.append((f"RL stage {i}: {steps} steps, {budget} tokens, T = {turns}, {name} problems",
                        f"{runs}/stage{i}/final/config.json",
                        ["train.py", "--model", f"{runs}/sft", "--data", data, "--out-dir", f"{runs}/stage{i}",
                         "--steps", str(steps), "--max-response", str(budget), "--max-turns", str(turns),
-                        "--problems-per-step", "16", "--rollouts-per-problem", "8", "--group-size", "4",
-                        "--max-prompt", "512", "--lr", str(REAL["lr"]),
-                        "--warmup-steps", "2" if i == 1 else "0",
-                        "--micro-batch-tokens", "2048", "--kv-cache-tokens", "32768", "--save-every", "0",
-                        "--sample-every", "5", "--resume", "1", *handover]))
+                        "--problems-per-step", str(recipe["problems"]), "--rollouts-per-problem", "8",
+                        "--group-size", "4", "--max-prompt", "768", "--lr", str(recipe["lr"]),
+                        "--warmup-steps", "2" if i == 1 else "0", "--micro-batch-tokens", "2048", *kv,
+                        "--save-every", "0", "--sample-every", "5", "--resume", "1", *handover]))
         stages.append((f"evaluate stage {i}", columns[f"stage {i}"] + "/table.json",
                        [*evaluate, "--model", f"{runs}/stage{i}/final", "--out-dir", columns[f"stage {i}"]]))
     return stages, columns, [(f"stage {i}", f"{runs}/stage{i}") for i in (1, 2, 3)], [world, runs]
 
 
 stages, columns, curves, outputs = real_recipe() if args.real else toy_recipe()
-plot = args.plot or ("runs/real/rl_curves.png" if args.real else "runs/demo/rl_curves.png")
+plot = args.plot or (REAL[args.real]["runs"] + "/rl_curves.png" if args.real else "runs/demo/rl_curves.png")
 if args.fresh:
     for path in outputs:
         shutil.rmtree(path, ignore_errors=True)
@@ -136,59 +149,12 @@ for number, (title, done_file, cmd) in enumerate(stages, 1):
     print(f"=== {title}: done in {times[-1][1]:.1f} min", flush=True)
 
 # -----------------------------------------------------------------------------
-# The table: every column whose evaluation exists; then the time each stage took.
+# What the stages made (report.py): the table, each gain with its paired standard error, the stage times,
+# the RL curves (the real recipe's stages one after another).
 
-tables = {}
-for name, folder in columns.items():
-    if os.path.exists(folder + "/table.json"):
-        with open(folder + "/table.json") as f:
-            tables[name] = json.load(f)["table"][0]
-ROWS = [(f"accuracy (avg@{args.samples}, %)", "avg_pass@1", 100),
-        (f"pass@{args.samples} (%)", f"pass@{args.samples}", 100),
-        ("tool-use rate (%)", "tool_use", 100), ("tool-error ratio (%)", "tool_error_ratio", 100),
-        ("mean response length (tokens)", "response_length", 1)]
-first = next(iter(tables))
-print(f"\nheld-out problems: {tables[first]['problems']} x {args.samples} samples, temperature 0.6\n")
-print(f"{'':32}" + "".join(f"{name:>14}" for name in tables))
-for label, key, scale in ROWS:
-    print(f"{label:32}" + "".join(f"{scale * t.get(key, float('nan')):14.1f}" for t in tables.values()))
-for name in list(tables)[1:]:
-    gain = 100 * (tables[name]["avg_pass@1"] - tables[first]["avg_pass@1"])
-    print(f"{name}: held-out accuracy {gain:+.1f} points over the {first} model")
+report.print_table(columns, args.samples)
 for title, minutes in times:
     print(f"time: {minutes:5.1f} min  {title}")
-
-# -----------------------------------------------------------------------------
-# The RL curves: a line per RL run (the real recipe's stages one after another), a panel per metric.
-
-PANELS = [("kept_reward", "reward of the kept rollouts"), ("accuracy", "accuracy of all rollouts"),
-          ("tool_error_ratio_pos", "tool-error ratio, correct rollouts"), ("tool_use", "tool-use rate")]
-fig, axes = plt.subplots(2, 2, figsize=(9, 6.5))
-axes, offset, during = axes.flatten(), 0, []
-for name, out_dir in curves:
-    if os.path.exists(out_dir + "/metrics.jsonl"):
-        with open(out_dir + "/metrics.jsonl") as f:
-            rows = [json.loads(line) for line in f]
-        for ax, (key, title) in zip(axes, PANELS):
-            ax.plot([offset + r["step"] for r in rows], [r[key] for r in rows], label=name)
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("RL step")
-        offset += len(rows) if args.real else 0  # (the real stages follow one another)
-        during.append((f"{name} during RL", rows))
-if args.real and len(during) > 1:  # the recipe as a whole: stage 1's start -> the last stage's end
-    during.append(("the three stages", [r for _, rows in during for r in rows]))
-for name, rows in during:
-    head, tail = rows[:5], rows[-5:]
-    mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
-    print(f"{name} (mean of the first 5 steps -> the last 5): "
-          f"accuracy {mean(head, 'accuracy'):.2f} -> {mean(tail, 'accuracy'):.2f}, "
-          f"tool use {mean(head, 'tool_use'):.2f} -> {mean(tail, 'tool_use'):.2f}, "
-          f"tool-error ratio of correct rollouts {mean(head, 'tool_error_ratio_pos'):.3f} -> "
-          f"{mean(tail, 'tool_error_ratio_pos'):.3f}")
-axes[0].legend()
-fig.suptitle("SmolLM2-135M-Instruct, three RL stages" if args.real else "The toy world, per RL step",
-             fontsize=11)
-fig.tight_layout()
-os.makedirs(os.path.dirname(plot) or ".", exist_ok=True)
-fig.savefig(plot, dpi=100)
+report.plot_curves(curves, plot, "SmolLM2-135M-Instruct, three RL stages" if args.real else
+                   "The toy world, per RL step", one_after_another=bool(args.real))
 print(f"\nplot of the RL curves: {plot}\ndemo wall time: {(time.time() - t_start) / 60:.1f} min")

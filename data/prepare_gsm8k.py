@@ -17,7 +17,9 @@ May." ends in "#### 72". What it writes into --out, deterministically from --see
    was never defined) and fixes it in the next turn, as the toy SFT data does: RoC then has clean
    and unclean positives to choose between. A solution whose annotations do not compute its final
    answer (about 6%: an unannotated last step) is left out and counted.
-3. train.jsonl: the remaining problems with an integer answer, for RL.
+3. train.jsonl: the remaining problems with an integer answer, for RL; each records the calculator
+   steps its solution takes ("steps"), and easy.jsonl holds those of at most --easy-steps, for a
+   first RL stage whose groups are not all wrong (a 135M model solves few of the rest).
 The three sets are disjoint by construction (one shuffled list, cut in three). Unlike the paper's SFT,
 this one carries reasoning: a 135M model has none of its own to call a tool from (docs/paper_differences.md).
 """
@@ -168,6 +170,8 @@ def main():
                         help="problems whose solutions become SFT conversations")
     parser.add_argument("--error-share", type=float, default=0.25, help="share of SFT conversations whose "
                         "first call fails and is fixed")
+    parser.add_argument("--easy-steps", type=int, default=2,
+                        help="easy.jsonl: the RL problems whose solution takes at most this many steps")
     args = parser.parse_args()
     name, _, local = (args.local or "gsm8k=").partition("=")
     if name != "gsm8k" or (args.local and not local):
@@ -209,12 +213,14 @@ def main():
         conversations.append({"messages": msgs})
 
     def problems(ids):
-        kept = [{"question": rows[i]["question"], "answer": integer(rows[i]["answer"].rpartition("####")[2])}
-                for i in ids]
+        kept = [{"question": rows[i]["question"], "answer": integer(rows[i]["answer"].rpartition("####")[2]),
+                 "steps": len(ANNOTATION.findall(rows[i]["answer"]))} for i in ids]
         return [p for p in kept if p["answer"] is not None]
 
     os.makedirs(args.out, exist_ok=True)
-    for file, items in (("test.jsonl", problems(test_ids)), ("train.jsonl", problems(train_ids)),
+    train = problems(train_ids)
+    easy = [p for p in train if p["steps"] <= args.easy_steps]
+    for file, items in (("test.jsonl", problems(test_ids)), ("train.jsonl", train), ("easy.jsonl", easy),
                         ("sft.jsonl", conversations)):
         with open(os.path.join(args.out, file), "w") as f:
             f.writelines(json.dumps(item) + "\n" for item in items)

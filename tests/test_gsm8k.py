@@ -91,8 +91,12 @@ def test_the_script_writes_disjoint_sets_and_every_conversation_reaches_its_answ
                           "--out", str(out), "--n-test", "3", "--n-sft", "8", "--error-share", "0.5"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    read = {name: [json.loads(line) for line in open(out / f"{name}.jsonl")] for name in ("test", "train", "sft")}
+    names = ("test", "train", "easy", "sft")
+    read = {name: [json.loads(line) for line in open(out / f"{name}.jsonl")] for name in names}
     assert len(read["test"]) == 3 and len(read["train"]) == 5
+    steps = {r["question"]: r["answer"].count("<<") for r in rows}
+    assert all(p["steps"] == steps[p["question"]] for p in read["train"]), "steps: the solution's annotations"
+    assert read["easy"] == [p for p in read["train"] if p["steps"] <= 2], "easy: the RL problems of <= 2 steps"
     sft_questions = [c["messages"][0]["content"] for c in read["sft"]]
     sets = [{p["question"] for p in read["test"]}, {p["question"] for p in read["train"]}, set(sft_questions)]
     assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2]), "SFT, RL and held-out overlap"

@@ -1,0 +1,95 @@
+"""What demo.py shows after its stages: the held-out table, each gain with its paired standard error,
+and the RL curves as a PNG. A library: it reads the files the stages wrote (an evaluation's
+table.json and samples.jsonl, an RL run's metrics.jsonl) and computes nothing that they did not.
+"""
+import json
+import os
+import statistics
+from collections import defaultdict
+
+ROWS = [("accuracy (avg@{n}, %)", "avg_pass@1", 100), ("pass@{n} (%)", "pass@{n}", 100),
+        ("tool-use rate (%)", "tool_use", 100), ("tool-error ratio (%)", "tool_error_ratio", 100),
+        ("mean response length (tokens)", "response_length", 1), ("tool calls per sample", "tool_calls", 1)]
+PANELS = [("kept_reward", "reward of the kept rollouts"), ("accuracy", "accuracy of all rollouts"),
+          ("tool_error_ratio_pos", "tool-error ratio, correct rollouts"), ("tool_use", "tool-use rate")]
+
+
+def per_problem(folder: str) -> dict:
+    """Each problem of an evaluation -> the share of its samples that are correct (its avg@n)."""
+    correct = defaultdict(list)
+    with open(os.path.join(folder, "samples.jsonl")) as f:
+        for sample in map(json.loads, f):
+            correct[sample["benchmark"], sample["problem"]].append(bool(sample["correct"]))
+    return {problem: statistics.mean(c) for problem, c in correct.items()}
+
+
+def paired_gain(base_folder: str, folder: str) -> tuple[float, float, int]:
+    """(mean gain in avg@n, its standard error, problems) of one evaluation over another of the same
+    problems. Paired: the gain of each problem is taken first, so that how hard a problem is (most of
+    the spread between problems) cancels; the standard error is their standard deviation / sqrt(n)."""
+    base, other = per_problem(base_folder), per_problem(folder)
+    if set(base) != set(other):
+        raise ValueError(f"{base_folder} and {folder} evaluated different problems: a paired gain needs the "
+                         f"same ones\n---> HINT: evaluate both with the same --benchmarks and --first")
+    gains = [other[p] - base[p] for p in base]
+    return statistics.mean(gains), statistics.stdev(gains) / len(gains) ** 0.5, len(gains)
+
+
+def print_table(columns: dict, n: int):
+    """The held-out table, a column per evaluation that exists, then each one's gain over the first."""
+    tables = {}
+    for name, folder in columns.items():
+        if os.path.exists(os.path.join(folder, "table.json")):
+            with open(os.path.join(folder, "table.json")) as f:
+                tables[name] = json.load(f)["table"][0]
+    if not tables:
+        return
+    first = next(iter(tables))
+    print(f"\nheld-out problems: {tables[first]['problems']} x {n} samples, temperature 0.6\n")
+    print(f"{'':32}" + "".join(f"{name:>14}" for name in tables))
+    for label, key, scale in ROWS:
+        cells = [scale * t.get(key.format(n=n), float("nan")) for t in tables.values()]
+        print(f"{label.format(n=n):32}" + "".join(f"{cell:14.1f}" for cell in cells))
+    for name in list(tables)[1:]:
+        gain, se, problems = paired_gain(columns[first], columns[name])
+        print(f"{name}: held-out accuracy {100 * gain:+.1f} points over the {first} model (paired standard "
+              f"error {100 * se:.1f} over {problems} problems; gain / SE = {gain / se if se else 0:.1f})")
+
+
+def mean_of(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def plot_curves(curves: list, path: str, title: str, one_after_another: bool):
+    """A line per RL run, a panel per metric; with one_after_another the runs (the real recipe's stages)
+    share one step axis. Prints, per run and for all of them, the first 5 steps' means -> the last 5's."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6.5))
+    axes, offset, during = axes.flatten(), 0, []
+    for name, out_dir in curves:
+        if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+            continue
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        for ax, (key, panel) in zip(axes, PANELS):
+            ax.plot([offset + r["step"] for r in rows], [r[key] for r in rows], label=name)
+            ax.set_title(panel, fontsize=10)
+            ax.set_xlabel("RL step")
+        offset += len(rows) if one_after_another else 0
+        during.append((f"{name} during RL", rows))
+    if one_after_another and len(during) > 1:  # the recipe as a whole: the first stage's start -> the last's end
+        during.append(("all stages", [r for _, rows in during for r in rows]))
+    for name, rows in during:
+        head, tail = rows[:5], rows[-5:]
+        print(f"{name} (mean of the first 5 steps -> the last 5): accuracy {mean_of(head, 'accuracy'):.2f} -> "
+              f"{mean_of(tail, 'accuracy'):.2f}, tool use {mean_of(head, 'tool_use'):.2f} -> "
+              f"{mean_of(tail, 'tool_use'):.2f}, tool-error ratio of correct rollouts "
+              f"{mean_of(head, 'tool_error_ratio_pos'):.3f} -> {mean_of(tail, 'tool_error_ratio_pos'):.3f}")
+    axes[0].legend()
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

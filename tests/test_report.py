@@ -1,0 +1,34 @@
+"""report.py: the paired gain and its standard error, computed from evaluations' samples.jsonl files."""
+import json
+
+import pytest
+
+from report import paired_gain, per_problem
+
+
+def write_samples(folder, correct_by_problem):
+    folder.mkdir()
+    with open(folder / "samples.jsonl", "w") as f:
+        for problem, verdicts in correct_by_problem.items():
+            for sample, correct in enumerate(verdicts):
+                f.write(json.dumps(dict(benchmark="test", problem=problem, sample=sample, correct=correct)) + "\n")
+    return str(folder)
+
+
+def test_the_gain_is_the_mean_of_per_problem_differences_and_its_error_their_spread(tmp_path):
+    base = write_samples(tmp_path / "sft", {0: [0, 0, 0, 0], 1: [1, 1, 0, 0], 2: [1, 1, 1, 1]})
+    after = write_samples(tmp_path / "rl", {0: [1, 0, 0, 0], 1: [1, 1, 1, 1], 2: [1, 1, 1, 0]})
+    assert per_problem(base) == {("test", 0): 0.0, ("test", 1): 0.5, ("test", 2): 1.0}
+    gain, se, n = paired_gain(base, after)
+    # per problem: +0.25, +0.5, -0.25 -> mean 1/6; sample SD 0.3819 (n - 1), / sqrt(3) = 0.2205
+    assert n == 3
+    assert gain == pytest.approx(1 / 6)
+    assert se == pytest.approx(0.38188130791298663 / 3 ** 0.5)
+
+
+def test_the_same_problems_with_the_same_verdicts_gain_nothing_and_other_problems_are_refused(tmp_path):
+    base = write_samples(tmp_path / "a", {0: [1, 0], 1: [0, 0]})
+    assert paired_gain(base, base) == (0.0, 0.0, 2)
+    other = write_samples(tmp_path / "b", {0: [1, 0], 5: [0, 0]})
+    with pytest.raises(ValueError, match="different problems"):
+        paired_gain(base, other)
