@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from report import paired_gain
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,10 @@ def test_demo_runs_the_recipe_and_the_ablation_adds_a_column(tmp_path, toy_world
     assert sft["samples"] == rl["samples"] == 2 * sft["problems"]
     accuracy = table_line(stdout, "accuracy (avg@2, %)")
     assert accuracy == [f"{100 * sft['avg_pass@1']:.1f}", f"{100 * rl['avg_pass@1']:.1f}"], "table != table.json"
+    gain, se, n = paired_gain(str(tmp_path / "runs/demo/eval_sft"), str(tmp_path / "runs/demo/eval_roc"))
+    assert n == sft["problems"]
+    assert (f"RL (RoC): held-out accuracy {100 * gain:+.1f} points over the SFT model (paired standard error "
+            f"{100 * se:.1f} over {n} problems") in stdout, "the gain printed is not the evaluations' paired gain"
     metrics = [json.loads(line) for line in (tmp_path / "runs/toy_rl/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     png = (tmp_path / "runs/demo/rl_curves.png").read_bytes()
