@@ -12,7 +12,6 @@ an interrupted RL run resumes from its last checkpoint. A recipe is data: its st
 evaluations that make the table's columns, the RL runs that make the plot's curves.
 """
 import argparse
-import json
 import os
 import shutil
 import subprocess
