@@ -137,7 +137,11 @@ def full_weights(model, dtype):
     cast to `dtype`, then gathered (the cast is elementwise: the same values as gathering, then casting,
     with half the traffic of fp32 for bf16), when asked for, and nothing here keeps it after. Tied
     weights go under both names (embed_tokens and lm_head): embed_tokens alone left vLLM 0.32's CPU
-    engine half-updated (tests/test_real.py syncs SmolLM2's tied pair)."""
+    engine half-updated (tests/test_real.py syncs SmolLM2's tied pair). With LoRA, the merged weights."""
+    from lora import is_lora, merged_weights
+    if is_lora(model):
+        yield from merged_weights(model, dtype)
+        return
     for name, tensor in model.state_dict().items():
         shard = tensor.to(dtype)  # (a DTensor stays one, sharded as before)
         gathered = shard.full_tensor() if hasattr(shard, "full_tensor") else shard

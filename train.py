@@ -37,6 +37,7 @@ from conversation import pad_token_id, prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, trainer_offloaded, wake_for_rollout)
 from grpo_roc import DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, filter_void_turns, group_advantages
+from lora import add_lora_flags, describe, lora_settings, trainable
 from rollout import add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
@@ -119,6 +120,7 @@ optimization.add_argument("--mini-batches", type=int, default=1,
 optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
                           help="tokens per forward pass, rows packed without padding (the memory plan "
                                "assumes it)")
+add_lora_flags(optimization)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets (lora.py)
 
 infra = parser.add_argument_group("infrastructure")
 add_engine_flags(infra, memory_fraction="auto")  # --memory-fraction (auto: the plan's), --kv-cache-tokens
@@ -185,16 +187,19 @@ log(json.dumps(config, indent=2) + f"\nworld size {world_size}, device {device.t
 check_shared_dir(args.out_dir)
 
 # -----------------------------------------------------------------------------
-# The model: FSDP2, fp32 master weights that rank 0 reads; bf16 compute and activation checkpointing
-# on GPUs. Then the checkpoint it continues, if any, while the engine does not hold its memory yet.
+# The model: FSDP2, fp32 master weights that rank 0 reads (with --lora-rank, a frozen base and fp32
+# adapters: lora.py); bf16 compute and activation checkpointing on GPUs. Then the checkpoint it
+# continues, if any, while the engine does not hold its memory yet.
 
-model = load_sharded_model(args.model, device, activation_checkpointing=device.type == "cuda").train()
+model = load_sharded_model(args.model, device, activation_checkpointing=device.type == "cuda",
+                           lora=lora_settings(args)).train()
+log(f"model: {describe(model)}")
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)
 log(f"data: {len(problems)} problems from {args.data}; "
     f"dropped {n_long} with a prompt over {args.max_prompt} tokens")
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay,
                               fused=device.type == "cuda")  # (one kernel per step on GPUs)
 
 # Where the run starts: its own newest checkpoint (--resume), an earlier stage's (--init-from), or

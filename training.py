@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from conversation import CHAT_TEMPLATE
+from lora import add_lora, base_dtype, is_lora, merged_weights
 
 # -----------------------------------------------------------------------------
 # (1) The process group
@@ -127,12 +128,14 @@ def expandable_segments(on: bool) -> None:
     torch._C._accelerator_setAllocatorSettings(",".join(fields + [f"expandable_segments:{on}"]))
 
 
-def load_sharded_model(path: str, device, activation_checkpointing: bool = False):
-    """The model at `path` in fp32, sharded. Only rank 0 reads the weights (a node holds one full copy,
+def load_sharded_model(path: str, device, activation_checkpointing: bool = False, lora: dict | None = None):
+    """The model at `path` in fp32, sharded; with `lora` (lora.lora_settings), a frozen base (bf16 on
+    GPUs) and fp32 adapters (lora.py). Only rank 0 reads the weights (a node holds one full copy,
     not one per rank: 8 x 59 GB at 14B); the others build it on the meta device, and rank 0's weights
     and buffers (rotary frequencies) are broadcast into every rank's shards. The trainer's memory comes
     from expandable segments from here on."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    dtype = base_dtype(device) if lora else torch.float32
     expandable_segments(True)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -140,14 +143,14 @@ def load_sharded_model(path: str, device, activation_checkpointing: bool = False
         raise SystemExit(f"cannot load the model {path!r}: {e}\n---> HINT: pass --model an HF checkpoint "
                          f"folder or hub id (the toy world's: `python sft.py --preset toy` first)")
     if dist.get_rank() == 0:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        full_state = model.state_dict()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        full_state = {}
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = add_lora(model, lora) if lora else model
+    full_state = model.state_dict() if dist.get_rank() == 0 else {}  # (rank 0's adapters: one init for all)
     shard_model(model, device)
     if dist.get_rank() != 0:
         model.to_empty(device=device)
@@ -218,8 +221,11 @@ def trajectory_tensors(trajs, pad_id: int, device):
 def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, latest: str | None = None):
     """Gather the full state dict from the FSDP2 shards and write an HF checkpoint (on rank 0), and a
     copy at `latest` if given. Every rank must call this: the gather is a collective."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state_dict = get_model_state_dict(model, options=options)
+    if is_lora(model):  # the merged weights under the base model's names: a plain model to its readers
+        state_dict = {name: t.cpu() for name, t in merged_weights(model, dtype) if dist.get_rank() == 0}
+        model = model.get_base_model()
+    else:
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         model.save_pretrained(out_dir, state_dict={k: v.to(dtype) for k, v in state_dict.items()})
         config = copy.deepcopy(model.config)  # save_pretrained wrote the dtype of the fp32 master
@@ -244,11 +250,15 @@ def complete_checkpoints(root: str) -> list[str]:
     return sorted(done, key=lambda d: int(d.rsplit("_", 1)[1]))
 
 
+# What a checkpoint holds of the model: what is trained (LoRA: the adapters; the base is the --model folder)
+TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def save_checkpoint(model, optimizer, root: str, step: int, meta: dict, keep: int = 0) -> None:
     """Write step_N (model, optimizer, `meta` + the step), keep the newest `keep` (0: all): every rank."""
     final = os.path.join(root, f"step_{step}")
     tmp = final + ".tmp"
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=TRAINED), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=tmp)
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -263,11 +273,11 @@ def load_checkpoint(model, optimizer, path: str, with_optimizer: bool = True) ->
     """Load step_N into the sharded model and, `with_optimizer`, the optimizer; returns its meta. Without,
     the optimizer's state is not even asked for: dcp.load fills in place what is asked for, a fresh
     optimizer's moments and step count included, set_optimizer_state_dict or not."""
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": get_model_state_dict(model, options=TRAINED)}
     if with_optimizer:  # (materialises the optimizer's state: one zero step of AdamW, torch 2.13)
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=TRAINED)  # (dcp.load had every key it asked for)
     if with_optimizer:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     with open(os.path.join(path, "meta.json")) as f:

@@ -1,0 +1,109 @@
+"""LoRA for the trainer (train.py --lora-rank r), through peft: a frozen base and trained low-rank adapters.
+
+    model = training.load_sharded_model(path, device, lora=lora_settings(args))   # peft, then FSDP2
+    sync_weights(llm, engine.full_weights(model, dtype))                           # merged: W + (alpha/r) B A
+
+Each targeted linear layer computes x W^T + (alpha / r) x A^T B^T with W frozen, A (r, in) and B (out, r)
+trained (B starts at zero: step 0 is the base model). The base stays in bf16 on GPUs (no fp32 master
+copy, no gradient, no AdamW moments for it) and in fp32 on CPUs (the CPU engine runs fp32: the sync
+stays exact); peft keeps the adapters in fp32 and AdamW trains only them. FSDP2 shards the whole:
+its mixed precision casts every parameter to bf16 for compute, and only the trainable ones must share
+one dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
+
+The engine never sees an adapter: each sync and each HF export gets the merged weights under the
+base model's names (merged_weights), so vLLM, eval.py and chat.py run a plain model.
+Checkpoints hold the adapters and their optimizer only (training.save_checkpoint leaves out frozen
+parameters: the base is the --model folder, which every run reads).
+"""
+import torch
+
+ADAPTER = "default"  # peft's name for the one adapter
+# Peers' RL defaults (verl's and TRL's examples, "LoRA without regret"): every linear layer of the
+# decoder, alpha fixed at 32 (so a larger rank starts no larger), no dropout. Dropout would make the
+# trainer score a different network than the engine samples: its ratio would not start at 1.
+DEFAULTS = dict(lora_alpha=32.0, lora_dropout=0.0, lora_targets="all-linear")
+
+
+def add_lora_flags(group) -> None:
+    """--lora-rank and its settings, in a script's argument group."""
+    group.add_argument("--lora-rank", type=int, default=0,
+                       help="r > 0: train rank-r LoRA adapters on a frozen base (bf16 on GPUs); 0: every weight")
+    group.add_argument("--lora-alpha", type=float, default=DEFAULTS["lora_alpha"],
+                       help="LoRA's scale is alpha / r")
+    group.add_argument("--lora-dropout", type=float, default=DEFAULTS["lora_dropout"],
+                       help="dropout on the adapters' input (RL: 0, or the trainer scores another network)")
+    group.add_argument("--lora-targets", default=DEFAULTS["lora_targets"],
+                       help="modules to adapt: all-linear (every linear layer but the LM head) or "
+                            "comma-separated names, e.g. q_proj,k_proj,v_proj,o_proj")
+
+
+def lora_settings(args) -> dict | None:
+    """What load_sharded_model's `lora` takes, from the flags; None without --lora-rank."""
+    if not getattr(args, "lora_rank", 0):
+        return None
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    return dict(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                target_modules=targets)
+
+
+def base_dtype(device) -> torch.dtype:
+    """The frozen base's dtype: bf16 on GPUs (what the engine runs), fp32 on CPUs (likewise)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def add_lora(model, settings: dict):
+    """`model` (an HF causal LM, before sharding) with LoRA adapters: a peft model whose base is frozen
+    and whose adapters (fp32, B = 0) alone require gradients."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(task_type="CAUSAL_LM", bias="none", **settings)
+    return get_peft_model(model, config, autocast_adapter_dtype=True)  # (adapters in fp32 over a bf16 base)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def hf_name(name: str) -> str:
+    """A peft parameter's name in the base model: base_model.model.X.base_layer.weight -> X.weight."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _full(tensor, dtype=None):
+    """The whole tensor from its FSDP2 shards (a plain tensor as it is), optionally cast first."""
+    tensor = tensor.to(dtype) if dtype is not None else tensor
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@torch.no_grad()
+def merged_weights(model, dtype):
+    """(HF name, full tensor in `dtype`) one at a time, LoRA merged: W + (alpha / r) B A in fp32, then
+    cast (the engine's bf16 weight is the rounded sum, not a sum of rounded terms). Every rank must run
+    it (each gather is a collective); nothing here keeps a tensor after yielding it. A tied LM head
+    appears under both names, as engine.full_weights gives it."""
+    from peft.tuners.lora import LoraLayer
+    scaling = {name: m.scaling[ADAPTER] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    state = model.state_dict()
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            continue  # (merged into its base weight below)
+        module = name.removesuffix(".base_layer.weight")
+        if module not in scaling:
+            yield hf_name(name), _full(tensor, dtype)
+            continue
+        a = _full(state[f"{module}.lora_A.{ADAPTER}.weight"], torch.float32)                # (r, in)
+        b = _full(state[f"{module}.lora_B.{ADAPTER}.weight"], torch.float32)                # (out, r)
+        weight = _full(tensor)                            # (out, in) (may be the trainer's own storage)
+        yield hf_name(name), torch.addmm(weight.float(), b, a, alpha=scaling[module]).to(dtype)
+        del a, b, weight
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    """The parameters AdamW trains: the adapters with LoRA, else every one."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def describe(model) -> str:
+    """'N trainable of M parameters (P%)' (a DTensor's numel is the whole tensor's)."""
+    n_train = sum(p.numel() for p in trainable(model))
+    n_all = sum(p.numel() for p in model.parameters())
+    return f"{n_train:,} trainable of {n_all:,} parameters ({100 * n_train / n_all:.2f}%)"

@@ -1,0 +1,155 @@
+"""LoRA (lora.py, train.py --lora-rank) on a tiny random Qwen3: one process, no vLLM, no torchrun.
+
+The update trains the adapters alone; the merged weights the engine and the export get are the model
+the trainer scores; checkpoints hold the adapters and their optimizer and load back exactly. The sync
+into a real engine is tests/test_train.py's (slow)."""
+import argparse
+import json
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from lora import add_lora_flags, hf_name, lora_settings, merged_weights, trainable
+from logprobs import token_logprobs
+from test_update import rollouts, tiny_model, update
+from training import init_distributed, load_sharded_model, save_checkpoint, save_hf_checkpoint, start_point
+
+RANK = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group_of_one():
+    init_distributed()  # (a process group of one, as train.py makes without torchrun)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A tiny random Qwen3 as an HF folder, the --model of these tests."""
+    out = tmp_path_factory.mktemp("tiny_base")
+    tiny_model().save_pretrained(out)
+    return out
+
+
+def lora_flags(*argv):
+    parser = argparse.ArgumentParser()
+    add_lora_flags(parser)
+    return parser.parse_args(["--lora-rank", str(RANK), *argv])
+
+
+def lora_model(base_dir, *argv):
+    model = load_sharded_model(str(base_dir), torch.device("cpu"), lora=lora_settings(lora_flags(*argv)))
+    return model.train()
+
+
+def trained_lora_model(base_dir, steps=2):
+    """A LoRA model after `steps` policy updates (its B no longer zero), and its optimizer."""
+    model = lora_model(base_dir)
+    optimizer = torch.optim.AdamW(trainable(model), lr=1e-2)
+    kept = rollouts()
+    for _ in range(steps):
+        update(model, optimizer, kept, [1.0, -1.0] * 3)
+    return model, optimizer
+
+
+def scores(model, ids):
+    with torch.no_grad():
+        return token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)              # (1, T-1)
+
+
+def plain_with(state: dict):
+    """A plain tiny Qwen3 holding `state` (HF names): what the engine or eval.py runs."""
+    model = tiny_model(seed=1)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, f"names the base model does not have: {unexpected}"
+    assert set(missing) <= {"lm_head.weight"} or not missing, f"weights the merge left out: {missing}"
+    return model.eval()
+
+
+IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 20, 31, 42, 17, 9, 60, 33]])                         # (1, T)
+
+
+def test_the_update_trains_the_adapters_alone_and_adamw_holds_moments_for_them_only(base_dir):
+    base = tiny_model().state_dict()
+    model, optimizer = trained_lora_model(base_dir)
+    names = {id(p): name for name, p in model.named_parameters()}
+    trained = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained), \
+        f"AdamW must train the adapters alone, it holds {[n for n in trained if '.lora_' not in n][:3]}"
+    assert all(len(optimizer.state[p]) for group in optimizer.param_groups for p in group["params"])
+    for name, tensor in model.state_dict().items():
+        if ".lora_" not in name:
+            assert torch.equal(tensor.full_tensor(), base[hf_name(name)]), f"the frozen base {name} changed"
+    b = [t.full_tensor() for n, t in model.state_dict().items() if ".lora_B." in n]
+    assert all(t.abs().max() > 0 for t in b), "B starts at zero: an update must move it"
+
+
+def test_the_merged_weights_are_the_model_the_trainer_scores_and_merging_twice_changes_nothing(base_dir):
+    model, _ = trained_lora_model(base_dir)
+    trainer = scores(model, IDS)
+    first = dict(merged_weights(model, torch.float32))
+    second = dict(merged_weights(model, torch.float32))
+    assert all(torch.equal(first[k], second[k]) for k in first), \
+        "a second merge differs: the merge wrote into the trainer's base weights"
+    assert torch.allclose(scores(model, IDS), trainer), "merging changed the trainer's model"
+    engine = scores(plain_with(first), IDS)
+    assert (engine - trainer).abs().max() < 1e-5, \
+        f"the merged weights score {(engine - trainer).abs().max():.2e} away from the trainer: the engine " \
+        f"would sample another policy than the one trained"
+    base = scores(plain_with(tiny_model().state_dict()), IDS)
+    assert (base - trainer).abs().max() > 1e-3, "the adapters did not change the model (the test is vacuous)"
+
+
+def test_merged_weights_cast_after_the_sum_in_bf16(base_dir):
+    model, _ = trained_lora_model(base_dir)
+    fp32, bf16 = dict(merged_weights(model, torch.float32)), dict(merged_weights(model, torch.bfloat16))
+    assert all(bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32), \
+        "the bf16 sync must be the fp32 merge rounded once"
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_and_resume_restores_them(base_dir, tmp_path):
+    model, optimizer = trained_lora_model(base_dir)
+    root = tmp_path / "checkpoints"
+    save_checkpoint(model, optimizer, str(root), 2, dict(position=16, stream_start=0, config={"data": "d"}))
+    saved = FileSystemReader(str(root / "step_2")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), \
+        f"a LoRA checkpoint must leave the frozen base out (it is --model): {model_keys[:3]}"
+    assert any(k.startswith("optim.state.") for k in saved), "the adapters' AdamW moments are not saved"
+
+    fresh = lora_model(base_dir)
+    fresh_optimizer = torch.optim.AdamW(trainable(fresh), lr=1e-2)
+    start = start_point(fresh, fresh_optimizer, str(root), True, None, False, "d")
+    assert start["step"] == 2 and start["position"] == 16
+    assert torch.equal(scores(fresh, IDS), scores(model, IDS)), "resume did not restore the adapters"
+    moments = [(optimizer.state[p]["exp_avg"].full_tensor(),
+                fresh_optimizer.state[q]["exp_avg"].full_tensor())
+               for p, q in zip(trainable(model), trainable(fresh))]
+    assert all(torch.equal(a, b) for a, b in moments), "resume did not restore the adapters' AdamW moments"
+
+    reset = lora_model(base_dir)
+    reset_optimizer = torch.optim.AdamW(trainable(reset), lr=1e-2)
+    start = start_point(reset, reset_optimizer, str(tmp_path / "elsewhere"), False, str(root), True, "d")
+    assert torch.equal(scores(reset, IDS), scores(model, IDS)), "--init-from did not load the adapters"
+    assert not reset_optimizer.state, "--reset-optimizer must start AdamW afresh"
+
+
+def test_the_lora_export_is_a_plain_hf_model_of_the_merged_weights(base_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    model, _ = trained_lora_model(base_dir)
+    out = tmp_path / "hf"
+    save_hf_checkpoint(model, _Tokenizer(), str(out))
+    assert not (out / "adapter_config.json").exists(), "final/ must be a merged model, not an adapter"
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    assert (scores(exported, IDS) - scores(model, IDS)).abs().max() < 1e-5, \
+        "the export does not score as the trained LoRA model does"
+
+
+class _Tokenizer:
+    """What save_hf_checkpoint asks of a tokenizer (the tiny model has none)."""
+    chat_template = None
+
+    def save_pretrained(self, out):
+        pass
