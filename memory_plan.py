@@ -121,6 +121,9 @@ KNOWN = {
     "Qwen2.5-7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
                        num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
                        tie_word_embeddings=False),
+    "Qwen3-8B": dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False),
     "Qwen3-14B": dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=17408,
                       num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                       tie_word_embeddings=False),
@@ -165,6 +168,12 @@ class Shape:
         queries_and_output = 2 * self.hidden * self.q_width
         keys_and_values = 2 * self.hidden * self.kv_width
         return queries_and_output + keys_and_values + 3 * self.hidden * self.mlp + 2 * self.hidden
+
+    def adapter_params(self, rank: int) -> int:
+        """LoRA's parameters in one decoder layer, every linear layer adapted (lora.py's all-linear):
+        r x (inputs + outputs) for q, k, v, o, gate, up, down."""
+        h, q, kv, mlp = self.hidden, self.q_width, self.kv_width, self.mlp
+        return rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + mlp) + (mlp + h))
 
     @property
     def embedding_params(self) -> int:
@@ -262,6 +271,7 @@ class Plan:
     rollouts_with_offload: dict  # {False: rollouts at once without offloading, True: with}
     offload_bytes_per_step: int  # host <-> GPU, both directions, per GPU
     offload_seconds: float       # at HOST_LINK_BYTES_PER_S
+    training: str = ""           # ", LoRA rank r" when the base is frozen
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -323,11 +333,27 @@ def _engine(s: Shape, gpu_gib: float) -> tuple[dict, dict]:
     return awake, asleep
 
 
-def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int, logprob_chunk: int) -> dict:
-    """The trainer's terms at the worst of the backward's three moments (the module's docstring, 3)."""
+def _trainer_state(s: Shape, ranks: int, lora_rank: int, gradients: bool) -> dict:
+    """The trainer's weights and AdamW moments per GPU (and its gradients, while it trains): fp32 all
+    16 bytes a parameter; with LoRA (lora.py) the base frozen in bf16, 2, and the adapters' 16."""
+    if not lora_rank:
+        name = "trainer: fp32 weights, gradients, AdamW moments" if gradients else "trainer: fp32 weights, AdamW moments"
+        return {name: (16 if gradients else 12) * s.params // ranks}
+    adapters = s.layers * s.adapter_params(lora_rank)
+    name = "trainer: fp32 adapters, gradients, moments" if gradients else "trainer: fp32 adapters, moments"
+    return {"trainer: bf16 frozen base": 2 * s.params // ranks, name: (16 if gradients else 12) * adapters // ranks}
+
+
+def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int, logprob_chunk: int,
+              lora_rank: int = 0) -> dict:
+    """The trainer's terms at the worst of the backward's three moments (the module's docstring, 3).
+    With LoRA the head and the embeddings are frozen (no gradient of theirs, no root reduce), a layer's
+    gradients are its adapters'."""
     h, v = s.hidden, s.vocab
     tokens = max(micro_batch_tokens, rollout_tokens)  # a row over the budget goes alone (plan_micro_batches)
-    always = {"trainer: fp32 weights, gradients, AdamW moments": 16 * s.params // ranks}
+    always = _trainer_state(s, ranks, lora_rank, gradients=True)
+    trained = s.adapter_params(lora_rank) if lora_rank else s.layer_params  # a layer's trained parameters
+    head_gradient = 0 if lora_rank else 2 * v * h
     # FSDP2 does not reshard the root after its forward (fsdp/_fully_shard/_fsdp_state.py)
     kept = {"root gathered (bf16)": 2 * s.embedding_params,
             "each layer's input (checkpoints)": 2 * s.layers * tokens * h,
@@ -336,23 +362,25 @@ def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int
                       "final hidden states and norm": FINAL_HIDDEN_BYTES * tokens * h,
                       "a log-prob chunk's logits and gradients":
                           LOGIT_BYTES_TRAINING * min(logprob_chunk, tokens) * v,
-                      "head's bf16 gradient": 2 * v * h,
-                      "a chunk's head-gradient temporary": 2 * v * h}
+                      "head's bf16 gradient": head_gradient,
+                      "a chunk's head-gradient temporary": head_gradient}
     # FSDP2 copies a module's bf16 gradients into one fp32 buffer to reduce-scatter them
     # (fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce)
     layer = {"two layers gathered (bf16)": 2 * 2 * s.layer_params,
-             "a layer's bf16 gradients, fp32 reduce copy": (2 + 4) * s.layer_params,
+             "a layer's bf16 gradients, fp32 reduce copy": (2 + 4) * trained,
              "a layer's activations recomputed": tokens * s.layer_activation_bytes,
-             "head's bf16 gradient": 2 * v * h}
-    root_reduce = {"root's bf16 gradients, fp32 reduce copy": (2 + 4) * s.embedding_params}
+             "head's bf16 gradient": head_gradient}
+    root_reduce = {"root's bf16 gradients, fp32 reduce copy": 0 if lora_rank else (2 + 4) * s.embedding_params}
     moments = [{**always, **kept, **logprob_chunks}, {**always, **kept, **layer}, {**always, **root_reduce}]
     return max(moments, key=lambda terms: sum(terms.values()))
 
 
-def _optimizer_step(s: Shape, ranks: int) -> dict:
+def _optimizer_step(s: Shape, ranks: int, lora_rank: int = 0) -> dict:
     """4. Fused AdamW (train.py on GPUs) updates each parameter in one kernel, no temporary: weights,
     gradients, moments. (foreach AdamW kept sqrt(second moment) of every parameter at once, 4P/N more:
     torch/optim/adam.py _multi_tensor_adam, exp_avg_sq_sqrt.)"""
+    if lora_rank:
+        return _trainer_state(s, ranks, lora_rank, gradients=True)
     return {"trainer: weights, gradients, moments (fused AdamW)": 16 * s.params // ranks}
 
 
@@ -364,31 +392,34 @@ def _allocator_reserve(trainer_terms: dict) -> dict:
 
 
 def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tokens: int, offload: bool,
-            logprob_chunk: int) -> tuple[dict, int]:
+            logprob_chunk: int, lora_rank: int = 0) -> tuple[dict, int]:
     """Every phase's terms for one offload choice, and the engine's share of the GPU."""
     p = s.params
     context = {"CUDA context, NCCL": CONTEXT}
     engine, engine_asleep = _engine(s, gpu / GiB)
-    trainer_state = {"trainer: fp32 weights, AdamW moments": 12 * p // ranks}
+    trainer_state = _trainer_state(s, ranks, lora_rank, gradients=False)
     # 2. the share is what the trainer and the context leave, less the margin; the KV cache what the
     # rest of the engine leaves of it
-    share = gpu - MARGIN - CONTEXT - (0 if offload else 12 * p // ranks)
+    share = gpu - MARGIN - CONTEXT - (0 if offload else sum(trainer_state.values()))
     kv_cache = {"engine: KV cache": max(0, share - sum(engine.values()))}
     rollout = {**({} if offload else trainer_state), **context, **engine, **kv_cache}
-    training = _training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk)
+    training = _training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk, lora_rank)
     training = {**training, **_allocator_reserve(training), **engine_asleep, **context}
-    step = _optimizer_step(s, ranks)
+    step = _optimizer_step(s, ranks, lora_rank)
     step = {**step, **_allocator_reserve(step), **engine_asleep, **context}
     # 1. torch/distributed/checkpoint/state_dict.py _init_optim_state: zero gradients and a step with lr 0;
     # at start-up FSDP2 moves each module of rank 0's model to the GPU whole before sharding it
-    initialised = {"trainer: weights, zero gradients, moments (fused AdamW)": 16 * p // ranks}
-    loading = {"trainer: fp32 shards": 4 * p // ranks,
-               "a module in full (fp32)": 4 * max(s.embedding_params, s.layer_params)}
+    initialised = _optimizer_step(s, ranks, lora_rank)
+    dtype, weight_bytes = ("bf16", 2) if lora_rank else ("fp32", 4)  # (a LoRA base is read in bf16)
+    loading = {f"trainer: {dtype} shards": weight_bytes * p // ranks,
+               f"a module in full ({dtype})": weight_bytes * max(s.embedding_params, s.layer_params)}
     resume = {**max(initialised, loading, key=lambda terms: sum(terms.values())), **engine_asleep, **context}
     # 5. the trainer's state is still on the GPU: it offloads after the sync
     sync = {**trainer_state, "engine: bf16 weights": 2 * p, **engine_asleep,
             "reload: a module's tensors, its copy, a gather's buffer": s.reload_peak_bytes,
             **context}
+    if lora_rank:  # lora.merged_weights: a gathered bf16 weight and its fp32 sum (the largest: an MLP matrix)
+        sync["merge: a weight in bf16 and fp32"] = (2 + 4) * s.hidden * s.mlp
     phases = {"resume": resume, "rollout": rollout, "training": training, "optimizer step": step,
               "sync": sync}
     return phases, share
@@ -396,18 +427,20 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
 
 def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_tokens: int,
          offload: str = "auto", logprob_chunk: int = 1024, rollouts_per_step: int = 512 * 32,
-         cores_per_node: int = 224, sleep_level: int = SLEEP_LEVEL) -> Plan:
+         cores_per_node: int = 224, sleep_level: int = SLEEP_LEVEL, lora_rank: int = 0) -> Plan:
     """The plan for `ranks` GPUs of `gpu_gib` GiB each, training in bf16 with fp32 master weights.
     offload: "on", "off" or "auto" (see the module's docstring, 6). rollouts_per_step: the whole batch
     every rank holds (the paper's 512 problems x 32); cores_per_node: the hardware threads the sandbox
-    divides (a DGX H100 has 224); sleep_level: engine.sleep's."""
+    divides (a DGX H100 has 224); sleep_level: engine.sleep's; lora_rank: train.py --lora-rank (0: full
+    fine-tuning)."""
     if offload not in ("auto", "on", "off"):
         raise ValueError(f"offload={offload!r}\n---> HINT: offload_trainer is one of auto, on, off")
     s = Shape.of(config)
     gpu, p = int(gpu_gib * GiB), s.params
     tried = {}
     for choice in (False, True):
-        phases, share = _phases(s, ranks, gpu, micro_batch_tokens, rollout_tokens, choice, logprob_chunk)
+        phases, share = _phases(s, ranks, gpu, micro_batch_tokens, rollout_tokens, choice, logprob_chunk,
+                                lora_rank)
         at_once = phases["rollout"]["engine: KV cache"] // (s.kv_bytes_per_token * rollout_tokens)
         tried[choice] = phases, share, at_once
     # auto: when offloading at least doubles the rollouts at once. (Offloading changes only the
@@ -424,21 +457,24 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     slots = per_node * max(1, cores_per_node // per_node - 1)  # sandbox.default_workers on every rank
     # The trainer's host buffers are allocated once and kept (engine.trainer_offloaded), each at its
     # exact size: registered pageable memory, not torch's pinned pool, which rounds up to a power of two.
+    state = sum(_trainer_state(s, ranks, lora_rank, gradients=False).values())
     host = {"engines asleep: pinned backups": per_node * engine_host_backup(s, sleep_level),
-            "trainer offloaded: pinned fp32 weights, moments": per_node * 12 * p // ranks if chosen else 0,
+            "trainer offloaded: pinned fp32 weights, moments": per_node * state if chosen else 0,
             "trajectories: each rank's own, every one's numbers":
                 per_node * (whole_batch // ranks * TRAJECTORY_BYTES + rollouts_per_step * NUMBERS_BYTES),
             # training.save_hf_checkpoint: get_model_state_dict(cpu_offload=True) keeps it on rank 0 only
             # (torch/distributed/checkpoint/state_dict.py _maybe_full_or_cpu_state_dict), then .to(bf16)
-            "rank 0's HF export: fp32 state dict, bf16 copy": (4 + 2) * p,
+            # (LoRA: lora.merged_weights gives the bf16 state dict itself)
+            "rank 0's HF export: fp32 state dict, bf16 copy": (2 if lora_rank else 4 + 2) * p,
             "sandbox workers": slots * SANDBOX_SLOT,
             "processes": per_node * PROCESS_HOST}
-    moved = 2 * 12 * p // ranks if chosen else 0
+    moved = 2 * state if chosen else 0
     return Plan(params=p, gpu=gpu, ranks=ranks, rollout_tokens=rollout_tokens, phases=phases, host=host,
                 memory_fraction=max(0.0, share / gpu), kv_cache=phases["rollout"]["engine: KV cache"],
                 rollouts_at_once=at_once, offload=chosen,
                 rollouts_with_offload={False: without, True: with_},
-                offload_bytes_per_step=moved, offload_seconds=moved / HOST_LINK_BYTES_PER_S)
+                offload_bytes_per_step=moved, offload_seconds=moved / HOST_LINK_BYTES_PER_S,
+                training=f", LoRA rank {lora_rank}" if lora_rank else "")
 
 
 def _terms(terms: dict, indent: str) -> list[str]:
@@ -458,7 +494,8 @@ def describe(p: Plan, ranks: int) -> str:
     gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
     offload = "on" if p.offload else "off"
     without, with_ = p.rollouts_with_offload[False], p.rollouts_with_offload[True]
-    lines = [f"memory plan per GPU ({p.params / 1e9:.1f}B parameters, {ranks} GPUs of {p.gpu / GiB:.0f} GiB; "
+    lines = [f"memory plan per GPU ({p.params / 1e9:.1f}B parameters{p.training}, {ranks} GPUs of "
+             f"{p.gpu / GiB:.0f} GiB; "
              f"computed from the config, not measured; GiB)",
              f"  engine share (--memory-fraction) {p.memory_fraction:.3f}: KV cache {gib(p.kv_cache)}; "
              f"a rollout holds up to {p.rollout_tokens} tokens:",

@@ -162,7 +162,7 @@ downsample([], args.group_size, random.Random(0), **downsample_settings)  # (a b
 
 plan_settings = dict(gpu_gib=args.gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
                      rollout_tokens=args.max_prompt + args.max_response,
-                     rollouts_per_step=args.problems_per_step * args.rollouts_per_problem)
+                     rollouts_per_step=args.problems_per_step * args.rollouts_per_problem, lora_rank=args.lora_rank)
 if args.plan:
     raise SystemExit(memory_plan.report(args.model, args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8)),
                                         offload=args.offload_trainer, **plan_settings))
