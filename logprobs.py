@@ -17,9 +17,11 @@
    sequence its own positions and causal block, with or without a shared prefix; the log-probs come
    back in the padded layout, so the losses read them as before (training.plan_micro_batches then
    counts a micro-batch's tokens, not rows x its longest row).
+4. trajectory_tensors: the ids, masks and sampler log-probs of trajectories as the losses read them.
 """
 import warnings
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
@@ -203,3 +205,21 @@ def empty_pass(model, pad_id: int, device) -> None:
     logp = token_logprobs(model, input_ids, torch.ones_like(input_ids))
     if torch.is_grad_enabled():
         (logp.sum() * 0.0).backward()
+
+
+def right_pad(rows: list, value, dtype=None) -> torch.Tensor:
+    """Rows of different lengths as one tensor, right-padded with `value`: (B, longest row)."""
+    return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=dtype) for r in rows], True, value)
+
+
+def trajectory_tensors(trajs, pad_id: int, device):
+    """The trainer's view of trajectories: input_ids, attention_mask, loss_mask, sampler_logp. The log-prob
+    at position k scores token k + 1: the loss mask (0 on the prompt and every tool turn) and the
+    sampler's log-probs are shifted by one against the ids (response token r at len(prompt) - 1 + r)."""
+    ids = [np.concatenate([t.prompt_ids, t.response_ids]) for t in trajs]
+    pre = [(len(t.prompt_ids) - 1, 0) for t in trajs]  # (the zeros before a response's first token)
+    input_ids = right_pad(ids, pad_id, torch.long)                                            # (B, T)
+    attention_mask = right_pad([np.ones(len(x)) for x in ids], 0, torch.long)                 # (B, T)
+    loss_mask = right_pad([np.pad(t.loss_mask, k) for k, t in zip(pre, trajs)], 0, torch.long)   # (B, T-1)
+    sampler_logp = right_pad([np.pad(t.logprobs, k) for k, t in zip(pre, trajs)], 0.0, torch.float)  # (B,T-1)
+    return tuple(x.to(device) for x in (input_ids, attention_mask, loss_mask, sampler_logp))

@@ -22,12 +22,15 @@ ADAPTER = "default"  # peft's name for the one adapter
 # decoder, alpha fixed at 32 (so a larger rank starts no larger), no dropout. Dropout would make the
 # trainer score a different network than the engine samples: its ratio would not start at 1.
 DEFAULTS = dict(lora_alpha=32.0, lora_dropout=0.0, lora_targets="all-linear")
+# LoRA's best learning rate is about 10x full fine-tuning's, in RL as in SFT ("LoRA without regret"; the
+# toy RL in docs/benchmarks.md agrees): --lr stays full fine-tuning's, so one recipe serves both.
+LR_SCALE = 10.0
 
 
 def add_lora_flags(group) -> None:
     """--lora-rank and its settings, in a script's argument group."""
     group.add_argument("--lora-rank", type=int, default=0,
-                       help="r > 0: train rank-r LoRA adapters on a frozen base (bf16 on GPUs); 0: every weight")
+                       help="r > 0: train rank-r LoRA adapters on a frozen base (bf16 on GPUs); 0: all")
     group.add_argument("--lora-alpha", type=float, default=DEFAULTS["lora_alpha"],
                        help="LoRA's scale is alpha / r")
     group.add_argument("--lora-dropout", type=float, default=DEFAULTS["lora_dropout"],
@@ -35,6 +38,13 @@ def add_lora_flags(group) -> None:
     group.add_argument("--lora-targets", default=DEFAULTS["lora_targets"],
                        help="modules to adapt: all-linear (every linear layer but the LM head) or "
                             "comma-separated names, e.g. q_proj,k_proj,v_proj,o_proj")
+    group.add_argument("--lora-lr-scale", type=float, default=LR_SCALE,
+                       help="the adapters' learning rate is --lr (full fine-tuning's) times this")
+
+
+def peak_lr(args) -> float:
+    """The learning rate the schedule warms up to: --lr, times --lora-lr-scale with LoRA."""
+    return args.lr * args.lora_lr_scale if getattr(args, "lora_rank", 0) else args.lr
 
 
 def lora_settings(args) -> dict | None:
@@ -61,6 +71,11 @@ def add_lora(model, settings: dict):
 
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
+
+
+def lora_rank(model) -> int:
+    """The adapters' rank; 0 for a model without."""
+    return model.peft_config[ADAPTER].r if is_lora(model) else 0
 
 
 def hf_name(name: str) -> str:
@@ -92,8 +107,8 @@ def merged_weights(model, dtype):
             continue
         a = _full(state[f"{module}.lora_A.{ADAPTER}.weight"], torch.float32)                # (r, in)
         b = _full(state[f"{module}.lora_B.{ADAPTER}.weight"], torch.float32)                # (out, r)
-        weight = _full(tensor)                            # (out, in) (may be the trainer's own storage)
-        yield hf_name(name), torch.addmm(weight.float(), b, a, alpha=scaling[module]).to(dtype)
+        weight = _full(tensor).to(torch.float32, copy=True)  # (out, in) (never the trainer's own storage)
+        yield hf_name(name), weight.addmm_(b, a, alpha=scaling[module]).to(dtype)
         del a, b, weight
 
 

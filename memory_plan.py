@@ -336,12 +336,13 @@ def _engine(s: Shape, gpu_gib: float) -> tuple[dict, dict]:
 def _trainer_state(s: Shape, ranks: int, lora_rank: int, gradients: bool) -> dict:
     """The trainer's weights and AdamW moments per GPU (and its gradients, while it trains): fp32 all
     16 bytes a parameter; with LoRA (lora.py) the base frozen in bf16, 2, and the adapters' 16."""
+    what = "gradients, AdamW moments" if gradients else "AdamW moments"
+    state_bytes = 16 if gradients else 12
     if not lora_rank:
-        name = "trainer: fp32 weights, gradients, AdamW moments" if gradients else "trainer: fp32 weights, AdamW moments"
-        return {name: (16 if gradients else 12) * s.params // ranks}
+        return {f"trainer: fp32 weights, {what}": state_bytes * s.params // ranks}
     adapters = s.layers * s.adapter_params(lora_rank)
-    name = "trainer: fp32 adapters, gradients, moments" if gradients else "trainer: fp32 adapters, moments"
-    return {"trainer: bf16 frozen base": 2 * s.params // ranks, name: (16 if gradients else 12) * adapters // ranks}
+    return {"trainer: bf16 frozen base": 2 * s.params // ranks,
+            f"trainer: fp32 adapters, {what}": state_bytes * adapters // ranks}
 
 
 def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int, logprob_chunk: int,
@@ -370,7 +371,8 @@ def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int
              "a layer's bf16 gradients, fp32 reduce copy": (2 + 4) * trained,
              "a layer's activations recomputed": tokens * s.layer_activation_bytes,
              "head's bf16 gradient": head_gradient}
-    root_reduce = {"root's bf16 gradients, fp32 reduce copy": 0 if lora_rank else (2 + 4) * s.embedding_params}
+    root_gradients = 0 if lora_rank else (2 + 4) * s.embedding_params
+    root_reduce = {"root's bf16 gradients, fp32 reduce copy": root_gradients}
     moments = [{**always, **kept, **logprob_chunks}, {**always, **kept, **layer}, {**always, **root_reduce}]
     return max(moments, key=lambda terms: sum(terms.values()))
 
@@ -418,8 +420,8 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
     sync = {**trainer_state, "engine: bf16 weights": 2 * p, **engine_asleep,
             "reload: a module's tensors, its copy, a gather's buffer": s.reload_peak_bytes,
             **context}
-    if lora_rank:  # lora.merged_weights: a gathered bf16 weight and its fp32 sum (the largest: an MLP matrix)
-        sync["merge: a weight in bf16 and fp32"] = (2 + 4) * s.hidden * s.mlp
+    if lora_rank:  # lora.merged_weights, the largest matrix (an MLP's): gathered, its fp32 sum, the result
+        sync["merge: a weight in bf16, fp32, bf16"] = (2 + 4 + 2) * s.hidden * s.mlp
     phases = {"resume": resume, "rollout": rollout, "training": training, "optimizer step": step,
               "sync": sync}
     return phases, share
@@ -459,7 +461,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     # exact size: registered pageable memory, not torch's pinned pool, which rounds up to a power of two.
     state = sum(_trainer_state(s, ranks, lora_rank, gradients=False).values())
     host = {"engines asleep: pinned backups": per_node * engine_host_backup(s, sleep_level),
-            "trainer offloaded: pinned fp32 weights, moments": per_node * state if chosen else 0,
+            "trainer offloaded: pinned weights, moments": per_node * state if chosen else 0,
             "trajectories: each rank's own, every one's numbers":
                 per_node * (whole_batch // ranks * TRAJECTORY_BYTES + rollouts_per_step * NUMBERS_BYTES),
             # training.save_hf_checkpoint: get_model_state_dict(cpu_offload=True) keeps it on rank 0 only
@@ -495,8 +497,7 @@ def describe(p: Plan, ranks: int) -> str:
     offload = "on" if p.offload else "off"
     without, with_ = p.rollouts_with_offload[False], p.rollouts_with_offload[True]
     lines = [f"memory plan per GPU ({p.params / 1e9:.1f}B parameters{p.training}, {ranks} GPUs of "
-             f"{p.gpu / GiB:.0f} GiB; "
-             f"computed from the config, not measured; GiB)",
+             f"{p.gpu / GiB:.0f} GiB; from the config, not measured; GiB)",
              f"  engine share (--memory-fraction) {p.memory_fraction:.3f}: KV cache {gib(p.kv_cache)}; "
              f"a rollout holds up to {p.rollout_tokens} tokens:",
              f"      {p.rollouts_at_once} at once at their longest",

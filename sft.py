@@ -12,6 +12,7 @@ tool call and instruction following, with the loss on assistant tokens only.
 5. Loss = mean over the step's assistant tokens (global count): any split, same gradient.
 6. Without activation checkpointing, the tokens every conversation of a step starts with (the system
    prompt) run once for the step, not once per conversation (logprobs.SharedPrefix).
+7. --lora-rank r trains LoRA adapters on a frozen base instead (lora.py); the export is the merged model.
 """
 import argparse
 import json
@@ -25,8 +26,9 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from conversation import pad_token_id, render_messages
-from logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logprobs
-from training import init_distributed, load_sharded_model, plan_micro_batches, right_pad, save_hf_checkpoint
+from logprobs import SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs
+from lora import add_lora_flags, describe, lora_settings, peak_lr, trainable
+from training import init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's recipe; a preset replaces some of them.
@@ -67,6 +69,7 @@ def get_args(argv=None):
     parser.add_argument("--grad-checkpointing", type=int, default=1,
                         help="1: recompute activations in backward to save memory")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and anything random")
+    add_lora_flags(parser)  # --lora-rank and its settings: train adapters on a frozen base (lora.py)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default; a tiny model on a shared CPU wants 1)")
     if preset := parser.parse_known_args(argv)[0].preset:  # a preset replaces defaults; explicit flags win
@@ -184,10 +187,13 @@ def main(argv=None):
     # ---- model + FSDP2 ----
     save_dtype = AutoConfig.from_pretrained(args.model).dtype or torch.float32  # saved as it came in
     checkpointing = bool(args.grad_checkpointing)
-    model = load_sharded_model(args.model, device, activation_checkpointing=checkpointing).train()
+    model = load_sharded_model(args.model, device, activation_checkpointing=checkpointing,
+                               lora=lora_settings(args)).train()
+    if master:
+        print(f"model: {describe(model)}; peak learning rate {peak_lr(args):.2e}")
 
     # ---- optimizer ----
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(trainable(model), lr=peak_lr(args), weight_decay=args.weight_decay)
 
     # ---- training loop ----
     metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1) if master else None
@@ -207,7 +213,7 @@ def main(argv=None):
         n_tokens = sum(lengths[i] for i in batch)
         n_padded = sum(len(mb) * lengths[batch[mb[0]]] for rank_plan in plan for mb in rank_plan if mb)
 
-        lr = lr_at(step, total_steps, warmup_steps, args.lr)
+        lr = lr_at(step, total_steps, warmup_steps, peak_lr(args))
         for group in optimizer.param_groups:
             group["lr"] = lr
         nll_sum_local = torch.zeros((), device=device)

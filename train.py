@@ -37,7 +37,7 @@ from conversation import pad_token_id, prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, trainer_offloaded, wake_for_rollout)
 from grpo_roc import DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, filter_void_turns, group_advantages
-from lora import add_lora_flags, describe, lora_settings, trainable
+from lora import add_lora_flags, describe, lora_settings, peak_lr, trainable
 from rollout import add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
@@ -162,7 +162,8 @@ downsample([], args.group_size, random.Random(0), **downsample_settings)  # (a b
 
 plan_settings = dict(gpu_gib=args.gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
                      rollout_tokens=args.max_prompt + args.max_response,
-                     rollouts_per_step=args.problems_per_step * args.rollouts_per_problem, lora_rank=args.lora_rank)
+                     rollouts_per_step=args.problems_per_step * args.rollouts_per_problem,
+                     lora_rank=args.lora_rank)
 if args.plan:
     raise SystemExit(memory_plan.report(args.model, args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8)),
                                         offload=args.offload_trainer, **plan_settings))
@@ -193,7 +194,7 @@ check_shared_dir(args.out_dir)
 
 model = load_sharded_model(args.model, device, activation_checkpointing=device.type == "cuda",
                            lora=lora_settings(args)).train()
-log(f"model: {describe(model)}")
+log(f"model: {describe(model)}; learning rate {peak_lr(args):.2e}")
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)
@@ -281,7 +282,7 @@ for step in range(start_step, args.steps):
 
     # ---- 4. the policy update (its tensors are freed when it returns, before the sync) ----
     t0 = time.perf_counter()
-    lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else args.lr
+    lr = peak_lr(args) * min(1.0, (step + 1) / max(args.warmup_steps, 1))  # (--lr; LoRA's: lora.py)
     for g in optimizer.param_groups:
         g["lr"] = lr
     row.update(policy_update(policy, kept, advantages, problem_queue), lr=lr)

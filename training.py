@@ -7,12 +7,11 @@
    trainer's GPU memory in expandable segments (off while the engine is awake).
 3. Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
    share cut by a token budget (rows x the longest, or with packing the tokens alone), as many passes
-   on every rank (FSDP's collectives need them all).
-   (The token log-probs both losses use are logprobs.py's.)
+   on every rank (FSDP's collectives need them all). The token log-probs both losses use: logprobs.py.
 4. The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
 5. Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
-   leaves a broken step_N), the newest N kept, loaded with or without the optimizer; the run's logs
-   rewound to the checkpoint on resume.
+   leaves a broken step_N), the newest N kept, loaded with or without the optimizer; with LoRA, the
+   adapters only. The run's logs are rewound to the checkpoint on resume.
 6. Files: the check that every rank sees the output folder (all write checkpoints, one renames).
 """
 import copy
@@ -23,7 +22,6 @@ import os
 import re
 import shutil
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -34,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from conversation import CHAT_TEMPLATE
-from lora import add_lora, base_dtype, is_lora, merged_weights
+from lora import add_lora, base_dtype, is_lora, lora_rank, merged_weights
 
 # -----------------------------------------------------------------------------
 # (1) The process group
@@ -118,10 +116,10 @@ def shard_model(model, device):
 
 
 def expandable_segments(on: bool) -> None:
-    """The caching allocator's expandable segments: on while the trainer works (a segment grows in place,
-    so reserved memory stays near allocated: docs/gpu.md), off while the engine is awake
-    (engine.trainer_offloaded: vLLM's sleep pools want plain segments). Only that field changes: torch
-    resets every field a settings string leaves out (torch 2.13, c10/core/AllocatorConfig.h)."""
+    """The caching allocator's expandable segments: on while the trainer works (a segment grows in place:
+    reserved stays near allocated, docs/gpu.md), off while the engine is awake (engine.trainer_offloaded:
+    vLLM's sleep pools want plain segments). Only that field changes: torch resets every field a settings
+    string leaves out (torch 2.13, c10/core/AllocatorConfig.h)."""
     current = torch._C._accelerator_getAllocatorSettings() or os.environ.get(
         "PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     fields = [f for f in current.split(",") if f.strip() and f.split(":")[0].strip() != "expandable_segments"]
@@ -129,11 +127,10 @@ def expandable_segments(on: bool) -> None:
 
 
 def load_sharded_model(path: str, device, activation_checkpointing: bool = False, lora: dict | None = None):
-    """The model at `path` in fp32, sharded; with `lora` (lora.lora_settings), a frozen base (bf16 on
-    GPUs) and fp32 adapters (lora.py). Only rank 0 reads the weights (a node holds one full copy,
-    not one per rank: 8 x 59 GB at 14B); the others build it on the meta device, and rank 0's weights
-    and buffers (rotary frequencies) are broadcast into every rank's shards. The trainer's memory comes
-    from expandable segments from here on."""
+    """The model at `path`, sharded: fp32, or with `lora` (lora.lora_settings) a frozen base (bf16 on GPUs)
+    and fp32 adapters. Only rank 0 reads the weights (a node holds one full copy, not one per rank: 8 x
+    59 GB at 14B); the others build it on the meta device, and rank 0's state and buffers (rotary
+    frequencies) are broadcast into every rank's shards. The trainer's memory: expandable segments."""
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = base_dtype(device) if lora else torch.float32
     expandable_segments(True)
@@ -196,24 +193,6 @@ def plan_micro_batches(lengths: list[int], budget: int, world_size: int,
     return [batches + [[] for _ in range(passes - len(batches))] for batches in plans]
 
 
-def right_pad(rows: list, value, dtype=None) -> torch.Tensor:
-    """Rows of different lengths as one tensor, right-padded with `value`: (B, longest row)."""
-    return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=dtype) for r in rows], True, value)
-
-
-def trajectory_tensors(trajs, pad_id: int, device):
-    """The trainer's view of trajectories: input_ids, attention_mask, loss_mask, sampler_logp. The log-prob
-    at position k scores token k + 1: the loss mask (0 on the prompt and every tool turn) and the
-    sampler's log-probs are shifted by one against the ids (response token r at len(prompt) - 1 + r)."""
-    ids = [np.concatenate([t.prompt_ids, t.response_ids]) for t in trajs]
-    pre = [(len(t.prompt_ids) - 1, 0) for t in trajs]  # (the zeros before a response's first token)
-    input_ids = right_pad(ids, pad_id, torch.long)                                            # (B, T)
-    attention_mask = right_pad([np.ones(len(x)) for x in ids], 0, torch.long)                 # (B, T)
-    loss_mask = right_pad([np.pad(t.loss_mask, k) for k, t in zip(pre, trajs)], 0, torch.long)   # (B, T-1)
-    sampler_logp = right_pad([np.pad(t.logprobs, k) for k, t in zip(pre, trajs)], 0.0, torch.float)  # (B,T-1)
-    return tuple(x.to(device) for x in (input_ids, attention_mask, loss_mask, sampler_logp))
-
-
 # -----------------------------------------------------------------------------
 # (4) The HF export
 
@@ -225,7 +204,8 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, late
         state_dict = {name: t.cpu() for name, t in merged_weights(model, dtype) if dist.get_rank() == 0}
         model = model.get_base_model()
     else:
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_model_state_dict(model, options=options)
     if dist.get_rank() == 0:
         model.save_pretrained(out_dir, state_dict={k: v.to(dtype) for k, v in state_dict.items()})
         config = copy.deepcopy(model.config)  # save_pretrained wrote the dtype of the fp32 master
@@ -250,7 +230,7 @@ def complete_checkpoints(root: str) -> list[str]:
     return sorted(done, key=lambda d: int(d.rsplit("_", 1)[1]))
 
 
-# What a checkpoint holds of the model: what is trained (LoRA: the adapters; the base is the --model folder)
+# What a checkpoint holds of the model: what is trained (LoRA: the adapters; the base is --model's)
 TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
@@ -258,7 +238,8 @@ def save_checkpoint(model, optimizer, root: str, step: int, meta: dict, keep: in
     """Write step_N (model, optimizer, `meta` + the step), keep the newest `keep` (0: all): every rank."""
     final = os.path.join(root, f"step_{step}")
     tmp = final + ".tmp"
-    state = {"model": get_model_state_dict(model, options=TRAINED), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=TRAINED),
+             "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=tmp)
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -273,6 +254,12 @@ def load_checkpoint(model, optimizer, path: str, with_optimizer: bool = True) ->
     """Load step_N into the sharded model and, `with_optimizer`, the optimizer; returns its meta. Without,
     the optimizer's state is not even asked for: dcp.load fills in place what is asked for, a fresh
     optimizer's moments and step count included, set_optimizer_state_dict or not."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    saved, rank = meta.get("config", {}).get("lora_rank", 0), lora_rank(model)
+    if saved != rank:  # (the two hold different tensors: dcp.load would only say which keys it lacks)
+        raise SystemExit(f"{path} was trained with --lora-rank {saved}, this run has --lora-rank {rank}\n"
+                         f"---> HINT: continue a run with its own --model and --lora-rank")
     state = {"model": get_model_state_dict(model, options=TRAINED)}
     if with_optimizer:  # (materialises the optimizer's state: one zero step of AdamW, torch 2.13)
         state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -280,8 +267,7 @@ def load_checkpoint(model, optimizer, path: str, with_optimizer: bool = True) ->
     set_model_state_dict(model, state["model"], options=TRAINED)  # (dcp.load had every key it asked for)
     if with_optimizer:
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
+    return meta
 
 
 def find_checkpoint(path: str) -> str:

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from grpo_roc import loss_denominator, mismatch_correction, policy_loss
-from logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logprobs
-from training import plan_micro_batches, right_pad, trajectory_tensors
+from logprobs import (SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs,
+                      trajectory_tensors)
+from training import plan_micro_batches
 
 # The metrics of one optimizer step: sums over its micro-batches (each term already / n_loss_tokens),
 # then the largest mismatch of a token and the gradient's norm; policy_update averages them over steps.
@@ -61,7 +62,7 @@ def micro_batches(policy: Policy, kept) -> list[list[list[int]]]:
 
 
 def forward(policy: Policy, kept, prefix):
-    """This rank's micro-batches of `kept`: (indices, training.trajectory_tensors, log-probs (B, T-1)); an
+    """This rank's micro-batches of `kept`: (indices, logprobs.trajectory_tensors, log-probs (B, T-1)); an
     empty pass in place of an empty one (FSDP needs every rank in every pass)."""
     model, device = policy.model, policy.device
     for micro_batch in micro_batches(policy, kept)[policy.rank]:

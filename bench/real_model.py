@@ -39,6 +39,13 @@ The last line: `real model: generation <x> tokens/s at batch <b> (<y> at batch 1
    from the same weights and AdamW state, alternately, --rounds times each. The last line: `packed
    update speedup: <x> (padding share <s>)`, the padding share being what the padded forward ran
    beyond the packed one's tokens.
+5. --lora R (instead of 1 and 2): one batch of rollouts as in 3, then the update and the sync the way
+   train.py runs them on CPUs, by two trainers of the same weights: full fine-tuning, and LoRA of rank R
+   (train.py --lora-rank R: lora.py's defaults; the sync merges). Alternately, --rounds times each.
+   Memory: the trainer's state (weights and AdamW moments: tensor bytes) and what an update adds to
+   the process's peak RSS (reset before it: /proc/self/clear_refs). The last line: `lora rl step:
+   update <x> s full, <y> s LoRA (<r> x), sync <a> / <b> s, trainer state <c> / <d> GB, update peak
+   +<e> / +<f> GB`.
 """
 import argparse
 import contextlib
@@ -63,8 +70,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conversation import prompt_ids, render_messages  # noqa: E402
 from engine import CPU_BLOCK, kv_capacity_tokens, make_engine  # noqa: E402
-from logprobs import SharedPrefix, shared_prefix_length, token_logprobs  # noqa: E402
-from training import plan_micro_batches, right_pad  # noqa: E402
+from logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs  # noqa: E402
+from training import plan_micro_batches  # noqa: E402
 
 parser = argparse.ArgumentParser(description="Training and generation throughput of a real model on a CPU.")
 parser.add_argument("--model", required=True, help="HF model folder (e.g. the SmolLM2-135M-Instruct one)")
@@ -100,7 +107,9 @@ rl.add_argument("--fast-threads", type=int, default=0,
                 help="torch threads of the phases now (0: the process's, as before)")
 rl.add_argument("--packing", action="store_true",
                 help="time the update padded and packed (4) on one batch of rollouts, then exit")
-rl.add_argument("--rounds", type=int, default=2, help="--packing: timed updates per way")
+rl.add_argument("--rounds", type=int, default=2, help="--packing, --lora: timed updates per way")
+rl.add_argument("--lora", type=int, default=0, metavar="R",
+                help="time the update and the sync with full fine-tuning and rank-R LoRA (5), then exit")
 args = parser.parse_args()
 
 rng = random.Random(args.seed)
@@ -185,7 +194,7 @@ def update(model, optimizer, kept, advantages, pad_id, now, clock, packed=None):
     forward ran (padding included)."""
     packed = now if packed is None else packed
     from grpo_roc import policy_loss
-    from training import trajectory_tensors
+    from logprobs import trajectory_tensors
     n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))
     shared = shared_prefix_length([t.prompt_ids for t in kept]) if now else 0
     lengths = [t.prompt_length + t.response_length - shared for t in kept]
@@ -233,7 +242,7 @@ def update_start(model, optimizer):
     """AdamW's state made (untimed: a zero gradient at lr 0 allocates it); returns a function that puts
     the weights and that state back, so that every timed update starts from the same point."""
     for param in model.parameters():
-        param.grad = torch.zeros_like(param)
+        param.grad = torch.zeros_like(param) if param.requires_grad else None  # (a LoRA base: frozen)
     optimizer.param_groups[0]["lr"] = 0.0
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -351,8 +360,77 @@ def packing():
     print(f"packed update speedup: {speedup:.2f} (padding share {share:.1%}, load {load():.1f})")
 
 
+def state_bytes(model, optimizer) -> int:
+    """The trainer's state in memory: its weights (a LoRA model's frozen base too) and AdamW's moments."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (FSDP2's shards)
+    tensors = [*model.parameters(), *(v for st in optimizer.state.values() for v in st.values())]
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t))
+
+
+def rss_gb(field: str) -> float:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process, in GB."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    return kb * 1024 / 1e9
+
+
+def lora_step():
+    """(5): one batch of rollouts; the update and the sync of full fine-tuning and of rank --lora LoRA,
+    alternately, --rounds times each; the table, then `lora rl step: ...`."""
+    from batch import ProblemQueue
+    from engine import full_weights, model_eos_ids, sync_weights
+    from lora import DEFAULTS, describe
+    from rollout import RolloutConfig
+    from sandbox import Sandbox
+    from scheduler import rollout_scheduled
+    from training import load_sharded_model
+    problems = step_problems()
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    llm, model, optimizer = trainer_and_engine(problems)
+    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
+                        temperature=args.temperature, seed=args.seed, eos_ids=model_eos_ids(args.model))
+    with Sandbox(timeout=5.0) as sandbox:
+        trajs, _ = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.rollouts, cfg,
+                                     ProblemQueue())
+    kept, advantages = keep(trajs)
+    settings = dict(r=args.lora, lora_alpha=DEFAULTS["lora_alpha"], lora_dropout=DEFAULTS["lora_dropout"],
+                    target_modules=DEFAULTS["lora_targets"])
+    lora_model = load_sharded_model(args.model, torch.device("cpu"), lora=settings).train()
+    lora_optimizer = torch.optim.AdamW([p for p in lora_model.parameters() if p.requires_grad], lr=args.lr,
+                                       weight_decay=0.01)
+    trainers = {"full": (model, optimizer), "lora": (lora_model, lora_optimizer)}
+    restores = {name: update_start(*trainer) for name, trainer in trainers.items()}
+    state = {name: state_bytes(*trainer) / 1e9 for name, trainer in trainers.items()}
+    print(f"lora: {len(kept)} kept trajectories; LoRA rank {args.lora}: {describe(lora_model)}; "
+          f"{args.rounds} rounds")
+    clocks, peak = {name: Clock() for name in trainers}, defaultdict(float)
+    for _ in range(args.rounds):
+        for name, (trainer, trainer_optimizer) in trainers.items():
+            restores[name]()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # (the peak RSS starts again from the RSS now)
+            before = rss_gb("VmRSS")
+            with clocks[name].phase("update"):
+                update(trainer, trainer_optimizer, kept, advantages, pad_id, True, clocks[name])
+            peak[name] = max(peak[name], rss_gb("VmHWM") - before)
+            with clocks[name].phase("sync"):
+                sync_weights(llm, full_weights(trainer, torch.float32))
+    print(f"{'phase':>11}  {'full s':>8}  {'cpu s':>7}  {'LoRA s':>8}  {'cpu s':>7}  {'ratio':>6}")
+    full, lora = clocks["full"], clocks["lora"]
+    for phase in ["update", "forward", "backward", "optimizer", "sync"]:
+        print(f"{phase:>11}  {full.wall[phase]:8.1f}  {full.cpu[phase]:7.1f}  {lora.wall[phase]:8.1f}  "
+              f"{lora.cpu[phase]:7.1f}  {full.wall[phase] / max(lora.wall[phase], 1e-9):6.2f}")
+    print(f"lora rl step: update {full.wall['update']:.1f} s full, {lora.wall['update']:.1f} s LoRA "
+          f"({full.wall['update'] / lora.wall['update']:.2f} x), sync {full.wall['sync']:.1f} / "
+          f"{lora.wall['sync']:.1f} s, trainer state {state['full']:.2f} / {state['lora']:.2f} GB, "
+          f"update peak +{peak['full']:.2f} / +{peak['lora']:.2f} GB (load {load():.1f})")
+
+
 if args.rl_step:
     rl_step()
+    sys.exit(0)
+if args.lora:
+    lora_step()
     sys.exit(0)
 if args.packing:
     packing()

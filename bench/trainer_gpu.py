@@ -39,10 +39,9 @@ import torch  # noqa: E402
 import memory_plan  # noqa: E402
 from engine import trainer_offloaded  # noqa: E402
 from grpo_roc import group_advantages, policy_loss, resample_on_correct  # noqa: E402
-from logprobs import token_logprobs  # noqa: E402
+from logprobs import right_pad, token_logprobs, trajectory_tensors  # noqa: E402
 from rollout import Trajectory  # noqa: E402
-from training import (init_distributed, load_sharded_model, plan_micro_batches, right_pad,  # noqa: E402
-                      trajectory_tensors)
+from training import init_distributed, load_sharded_model, plan_micro_batches  # noqa: E402
 
 QWEN3_COMMON = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)
 QWEN3 = {  # the hub's config.json values

@@ -103,14 +103,16 @@ def test_the_merged_weights_are_the_model_the_trainer_scores_and_merging_twice_c
 def test_merged_weights_cast_after_the_sum_in_bf16(base_dir):
     model, _ = trained_lora_model(base_dir)
     fp32, bf16 = dict(merged_weights(model, torch.float32)), dict(merged_weights(model, torch.bfloat16))
-    assert all(bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32), \
-        "the bf16 sync must be the fp32 merge rounded once"
+    rounded_once = [bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], fp32[k].to(torch.bfloat16))
+                    for k in fp32]
+    assert all(rounded_once), "the bf16 sync must be the fp32 merge rounded once"
 
 
-def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_and_resume_restores_them(base_dir, tmp_path):
+def test_a_lora_checkpoint_holds_adapters_and_optimizer_and_resume_restores_both(base_dir, tmp_path):
     model, optimizer = trained_lora_model(base_dir)
     root = tmp_path / "checkpoints"
-    save_checkpoint(model, optimizer, str(root), 2, dict(position=16, stream_start=0, config={"data": "d"}))
+    meta = dict(position=16, stream_start=0, config={"data": "d", "lora_rank": RANK})
+    save_checkpoint(model, optimizer, str(root), 2, meta)
     saved = FileSystemReader(str(root / "step_2")).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]
     assert model_keys and all(".lora_" in k for k in model_keys), \
@@ -153,3 +155,13 @@ class _Tokenizer:
 
     def save_pretrained(self, out):
         pass
+
+
+def test_a_checkpoint_of_another_rank_says_what_to_do(base_dir, tmp_path):
+    model, optimizer = trained_lora_model(base_dir, steps=1)
+    meta = dict(position=8, stream_start=0, config={"data": "d", "lora_rank": RANK})
+    save_checkpoint(model, optimizer, str(tmp_path), 1, meta)
+    full = load_sharded_model(str(base_dir), torch.device("cpu")).train()
+    with pytest.raises(SystemExit, match="trained with --lora-rank 4, this run has --lora-rank 0"):
+        start_point(full, torch.optim.AdamW(full.parameters()), str(tmp_path / "new"), False, str(tmp_path),
+                    False, "d")

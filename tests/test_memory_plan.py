@@ -96,7 +96,7 @@ def test_every_phase_by_hand():
     # (lists while they grow) and 1 KiB of numbers for each of the 4; sandbox: (6 // 2 - 1) slots a rank.
     # The engines sleep at level 2: only their runtime pools (ENGINE_BUFFERS, 512 MiB) in pinned memory
     assert p.host == {"engines asleep: pinned backups": 2 * 512 * MiB,
-                      "trainer offloaded: pinned fp32 weights, moments": 0,
+                      "trainer offloaded: pinned weights, moments": 0,
                       "trajectories: each rank's own, every one's numbers": 2 * (4000 // 2 * 90 + 4 * 1024),
                       "rank 0's HF export: fp32 state dict, bf16 copy": 6 * 388,
                       "sandbox workers": 4 * SANDBOX_SLOT, "processes": 2 * PROCESS_HOST}
@@ -107,7 +107,7 @@ def test_every_phase_by_hand():
               rollouts_per_step=4, cores_per_node=6)
     assert "trainer: fp32 weights, AdamW moments" not in on.phases["rollout"]
     assert on.kv_cache == p.kv_cache + 2328 and on.memory_fraction == (share + 2328) / gpu
-    assert on.host["trainer offloaded: pinned fp32 weights, moments"] == 2 * 2328
+    assert on.host["trainer offloaded: pinned weights, moments"] == 2 * 2328
     assert on.offload_bytes_per_step == 2 * 2328 and on.offload_seconds == 2 * 2328 / HOST_LINK_BYTES_PER_S
     assert on.sync_peak == p.sync_peak, "the trainer offloads after the sync"
 
@@ -187,8 +187,9 @@ def test_the_targets_of_the_gpu_node():
     assert plan(KNOWN["Qwen2.5-32B"], **dict(STAGE1, gpu_gib=192)).fits
 
 
-def test_describe_prints_every_phase_and_term():
-    p = plan(KNOWN["Qwen3-14B"], **STAGE1)
+@pytest.mark.parametrize("lora_rank", [0, 32])
+def test_describe_prints_every_phase_and_term(lora_rank):
+    p = plan(KNOWN["Qwen3-14B"], **STAGE1, lora_rank=lora_rank)
     text = describe(p, 8)
     for phase, terms in p.phases.items():
         assert f"  {phase}: peak {sum(terms.values()) / GiB:.1f}" in text
@@ -196,7 +197,8 @@ def test_describe_prints_every_phase_and_term():
             assert name in text
     for name in p.host:
         assert name in text
-    assert "trainer offload: on" in text and f"{p.rollouts_at_once} at once" in text and "fits: yes" in text
+    assert f"trainer offload: {'on' if p.offload else 'off'}" in text and "fits: yes" in text
+    assert f"{p.rollouts_at_once} at once" in text and ("LoRA rank 32" in text) == bool(lora_rank)
     assert max(len(line) for line in text.splitlines()) <= 110
 
 
@@ -212,3 +214,41 @@ def test_train_plan_prints_and_exits_without_loading_weights(toy_world):
     assert too_big.returncode == 1 and "fits: NO" in too_big.stdout
     toy = run("--preset", "toy", "--model", str(toy_world / "init_model"), "--plan-gpus", "1")
     assert toy.returncode == 0 and "fits: yes" in toy.stdout, "the toy preset's plan must fit"
+
+
+def test_lora_adapters_are_counted_as_peft_makes_them():
+    """all-linear, rank 2, by hand: r x (inputs + outputs) for q (4 + 4), k and v (4 + 2), o (4 + 4), gate and
+    up (4 + 8), down (8 + 4): 2 x 64 = 128 a layer; and peft's own count on the same shape of Qwen3."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from lora import add_lora
+    assert Shape.of(TINY).adapter_params(2) == 128
+    model = add_lora(Qwen3ForCausalLM(Qwen3Config(**TINY)),
+                     dict(r=2, lora_alpha=32.0, lora_dropout=0.0, target_modules="all-linear"))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 2 * 128
+
+
+def test_a_lora_plan_by_hand():
+    """--lora-rank 2: the base frozen in bf16 (2P/N), the adapters with fp32 weights, gradients and moments
+    (16A/N); no gradient for the head or the embeddings; the export is the merged bf16 state dict."""
+    settings = dict(ranks=2, gpu_gib=10, micro_batch_tokens=512, rollout_tokens=1000, offload="off",
+                    rollouts_per_step=4, cores_per_node=6)
+    full, lora = plan(TINY, **settings), plan(TINY, **settings, lora_rank=2)
+    adapters = 2 * 128
+    assert lora.phases["optimizer step"]["trainer: bf16 frozen base"] == 2 * 388 // 2
+    assert lora.phases["optimizer step"]["trainer: fp32 adapters, gradients, AdamW moments"] == 16 * adapters // 2
+    assert lora.phases["rollout"]["trainer: fp32 adapters, AdamW moments"] == 12 * adapters // 2
+    training = lora.phases["training"]
+    assert training["a layer's bf16 gradients, fp32 reduce copy"] == 6 * 128
+    assert training["head's bf16 gradient"] == 0, "the head is frozen: no gradient of its own"
+    assert lora.phases["sync"]["merge: a weight in bf16, fp32, bf16"] == 8 * 4 * 8
+    assert lora.host["rank 0's HF export: fp32 state dict, bf16 copy"] == 2 * 388
+    assert lora.kv_cache == full.kv_cache + 12 * 388 // 2 - (2 * 388 + 12 * adapters) // 2
+
+
+def test_lora_puts_14b_stage_1_on_one_gpu():
+    """The plan's target for --lora-rank 32: Qwen3-14B's stage 1 (rollouts of 2K + 8K tokens) on one 80 GiB
+    GPU with at least 8 rollouts at their longest; full fine-tuning does not fit there."""
+    one_gpu = dict(STAGE1, ranks=1)
+    p = plan(KNOWN["Qwen3-14B"], **one_gpu, lora_rank=32)
+    assert p.fits and p.rollouts_at_once >= 8, (p.fits, p.rollouts_at_once, p.peaks)
+    assert not plan(KNOWN["Qwen3-14B"], **one_gpu).fits

@@ -184,6 +184,17 @@ def test_script_trains_logs_and_saves_a_loadable_checkpoint(world, tmp_path):
         assert torch.allclose(trained[k], again[k], atol=1e-5), f"{k}: micro-batch split changed the update"
 
 
+def test_lora_sft_trains_the_adapted_layers_alone_and_exports_a_plain_merged_model(world, tmp_path):
+    run_sft(world, tmp_path / "lora", "--epochs", "1", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj")
+    trained, init = final_weights(tmp_path / "lora"), world["model"].state_dict()
+    assert trained.keys() == init.keys(), "the export must be the base model's names, adapters merged"
+    changed = {k for k in init if not torch.equal(trained[k], init[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), \
+        f"only the adapted layers may change (the base is frozen): {sorted(changed)[:4]}"
+    rows = [json.loads(line) for line in open(tmp_path / "lora" / "metrics.jsonl")]
+    assert rows[0]["lr"] == pytest.approx(1e-3 * 10), "LoRA's peak rate is --lr x --lora-lr-scale (10)"
+
+
 def test_checkpoint_keeps_the_dtype_and_class_it_came_in(world, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(world["model_dir"], dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")

@@ -10,9 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from logprobs import SharedPrefix, shared_prefix_length, token_logprobs
+from logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs
 from rollout import read_problems
-from training import right_pad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
