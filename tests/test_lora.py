@@ -165,3 +165,30 @@ def test_a_checkpoint_of_another_rank_says_what_to_do(base_dir, tmp_path):
     with pytest.raises(SystemExit, match="trained with --lora-rank 4, this run has --lora-rank 0"):
         start_point(full, torch.optim.AdamW(full.parameters()), str(tmp_path / "new"), False, str(tmp_path),
                     False, "d")
+
+
+def test_the_gpu_layout_a_bf16_base_and_fp32_adapters_shard_and_train_under_bf16_mixed_precision():
+    """What load_sharded_model builds on GPUs (lora.base_dtype), sharded as shard_model does there (bf16
+    compute, fp32 reduce), here on gloo: FSDP2 takes the mixed dtypes, the adapters alone get fp32
+    gradients, AdamW steps, and the merge is the fp32 sum rounded once to the base's bf16."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from lora import add_lora
+    model = add_lora(tiny_model().to(torch.bfloat16), lora_settings(lora_flags()))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model(input_ids=IDS).logits.float().sum().backward()
+    grads = [p.grad for p in trainable(model)]
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert all(p.grad is None and p.dtype == torch.bfloat16 for p in frozen)
+    torch.optim.AdamW(trainable(model), lr=1e-2).step()
+    merged = dict(merged_weights(model, torch.bfloat16))
+    up = model.base_model.model.model.layers[0].mlp.up_proj
+    a, b = up.lora_A["default"].weight.full_tensor(), up.lora_B["default"].weight.full_tensor()
+    by_hand = (up.base_layer.weight.full_tensor().float() + up.scaling["default"] * b @ a).to(torch.bfloat16)
+    assert b.abs().max() > 0 and torch.equal(merged["model.layers.0.mlp.up_proj.weight"], by_hand)
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
