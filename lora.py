@@ -13,7 +13,8 @@ one dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
 The engine never sees an adapter: each sync and each HF export gets the merged weights under the
 base model's names (merged_weights), so vLLM, eval.py and chat.py run a plain model.
 Checkpoints hold the adapters and their optimizer only (training.save_checkpoint leaves out frozen
-parameters: the base is the --model folder, which every run reads).
+parameters: the base is the --model folder, which every run reads); training.load_checkpoint refuses
+one of another rank.
 """
 import torch
 
@@ -30,7 +31,7 @@ LR_SCALE = 10.0
 def add_lora_flags(group) -> None:
     """--lora-rank and its settings, in a script's argument group."""
     group.add_argument("--lora-rank", type=int, default=0,
-                       help="r > 0: train rank-r LoRA adapters on a frozen base (bf16 on GPUs); 0: all")
+                       help="r > 0: rank-r LoRA adapters on a frozen base (bf16 on GPUs); 0: train every weight")
     group.add_argument("--lora-alpha", type=float, default=DEFAULTS["lora_alpha"],
                        help="LoRA's scale is alpha / r")
     group.add_argument("--lora-dropout", type=float, default=DEFAULTS["lora_dropout"],
