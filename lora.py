@@ -31,7 +31,7 @@ LR_SCALE = 10.0
 def add_lora_flags(group) -> None:
     """--lora-rank and its settings, in a script's argument group."""
     group.add_argument("--lora-rank", type=int, default=0,
-                       help="r > 0: rank-r LoRA adapters on a frozen base (bf16 on GPUs); 0: train every weight")
+                       help="r > 0: rank-r LoRA adapters on a frozen base (bf16 on GPUs); 0: every weight")
     group.add_argument("--lora-alpha", type=float, default=DEFAULTS["lora_alpha"],
                        help="LoRA's scale is alpha / r")
     group.add_argument("--lora-dropout", type=float, default=DEFAULTS["lora_dropout"],
