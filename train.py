@@ -120,7 +120,7 @@ optimization.add_argument("--mini-batches", type=int, default=1,
 optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
                           help="tokens per forward pass, rows packed without padding (the memory plan "
                                "assumes it)")
-add_lora_flags(optimization)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets (lora.py)
+add_lora_flags(optimization)  # --lora-rank and its alpha, dropout, targets and learning-rate scale (lora.py)
 
 infra = parser.add_argument_group("infrastructure")
 add_engine_flags(infra, memory_fraction="auto")  # --memory-fraction (auto: the plan's), --kv-cache-tokens
@@ -200,7 +200,7 @@ eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)
 log(f"data: {len(problems)} problems from {args.data}; "
     f"dropped {n_long} with a prompt over {args.max_prompt} tokens")
-optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay,
+optimizer = torch.optim.AdamW(trainable(model), lr=peak_lr(args), weight_decay=args.weight_decay,
                               fused=device.type == "cuda")  # (one kernel per step on GPUs)
 
 # Where the run starts: its own newest checkpoint (--resume), an earlier stage's (--init-from), or

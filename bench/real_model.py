@@ -318,9 +318,9 @@ def rl_step():
     print(f"rl step speedup: {wall['before'] / wall['now']:.2f}")
 
 
-def packing():
-    """(4): one batch of rollouts, then its update padded and packed from the same weights and AdamW
-    state, alternately, --rounds times each; the table, then `packed update speedup: x`."""
+def one_batch():
+    """The trainer and the engine, and one batch of rollouts of train.py's first step kept by GRPO-RoC:
+    (llm, model, optimizer, kept, advantages, pad_id)."""
     from batch import ProblemQueue
     from engine import model_eos_ids
     from rollout import RolloutConfig
@@ -335,6 +335,13 @@ def packing():
         trajs, _ = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.rollouts, cfg,
                                      ProblemQueue())
     kept, advantages = keep(trajs)
+    return llm, model, optimizer, kept, advantages, pad_id
+
+
+def packing():
+    """(4): one batch of rollouts, then its update padded and packed from the same weights and AdamW
+    state, alternately, --rounds times each; the table, then `packed update speedup: x`."""
+    llm, model, optimizer, kept, advantages, pad_id = one_batch()
     restore, clocks, tokens_run, results = update_start(model, optimizer), {}, {}, {}
     lengths = [t.prompt_length + t.response_length for t in kept]
     print(f"packing: {len(kept)} kept trajectories of {min(lengths)}-{max(lengths)} tokens, micro-batches of "
@@ -377,27 +384,14 @@ def rss_gb(field: str) -> float:
 def lora_step():
     """(5): one batch of rollouts; the update and the sync of full fine-tuning and of rank --lora LoRA,
     alternately, --rounds times each; the table, then `lora rl step: ...`."""
-    from batch import ProblemQueue
-    from engine import full_weights, model_eos_ids, sync_weights
-    from lora import DEFAULTS, describe
-    from rollout import RolloutConfig
-    from sandbox import Sandbox
-    from scheduler import rollout_scheduled
+    from engine import full_weights, sync_weights
+    from lora import DEFAULTS, describe, trainable
     from training import load_sharded_model
-    problems = step_problems()
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    llm, model, optimizer = trainer_and_engine(problems)
-    cfg = RolloutConfig(max_turns=args.max_turns, max_response=args.max_response,
-                        temperature=args.temperature, seed=args.seed, eos_ids=model_eos_ids(args.model))
-    with Sandbox(timeout=5.0) as sandbox:
-        trajs, _ = rollout_scheduled(llm.llm_engine, tok, sandbox, problems, args.rollouts, cfg,
-                                     ProblemQueue())
-    kept, advantages = keep(trajs)
+    llm, model, optimizer, kept, advantages, pad_id = one_batch()
     settings = dict(r=args.lora, lora_alpha=DEFAULTS["lora_alpha"], lora_dropout=DEFAULTS["lora_dropout"],
                     target_modules=DEFAULTS["lora_targets"])
     lora_model = load_sharded_model(args.model, torch.device("cpu"), lora=settings).train()
-    lora_optimizer = torch.optim.AdamW([p for p in lora_model.parameters() if p.requires_grad], lr=args.lr,
-                                       weight_decay=0.01)
+    lora_optimizer = torch.optim.AdamW(trainable(lora_model), lr=args.lr, weight_decay=0.01)
     trainers = {"full": (model, optimizer), "lora": (lora_model, lora_optimizer)}
     restores = {name: update_start(*trainer) for name, trainer in trainers.items()}
     state = {name: state_bytes(*trainer) / 1e9 for name, trainer in trainers.items()}
