@@ -4,7 +4,7 @@
     python bench/lora_toy.py --seeds 0 1 2 --rank 32 --steps 20
 
 Each arm and seed is one `train.py --preset toy` run (the same steps, data and seed for both arms; LoRA
-adds --lora-rank and nothing else, so its learning rate is the preset's x --lora-lr-scale), then one
+adds --lora-rank and nothing else: its alpha and learning rate are the toy preset's), then one
 `eval.py` of its final/ on the toy held-out set. The arms alternate so that the machine's load falls on
 both. The gap's standard error is over seeds (the spread of whole runs), not over samples. Last line:
 `lora toy: full <a>% LoRA r=<r> <b>% held-out avg@2: <b - a> points (SE <s>, <n> seeds)`.
@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,7 +56,10 @@ def one_run(arm: str, seed: int) -> dict:
         row = json.load(f)["table"][0]
     with open(f"{out}/rl/metrics.jsonl") as f:
         train_rows = [json.loads(line) for line in f]
-    return dict(arm=arm, seed=seed, held_out=100 * row["avg_pass@1"], tool_errors=100 * row["tool_error_ratio"],
+    with open(f"{out}/train.log") as f:
+        lr = float(re.search(r"learning rate ([0-9.e+-]+)", f.read()).group(1))  # (train.py logs the peak)
+    return dict(arm=arm, seed=seed, lr=lr, held_out=100 * row["avg_pass@1"],
+                tool_errors=100 * row["tool_error_ratio"],
                 train_acc_last5=100 * statistics.mean(r["accuracy"] for r in train_rows[-5:]),
                 train_seconds=train_s)
 
@@ -65,7 +69,8 @@ for seed in args.seeds:
     for arm in ARMS:
         results.append(one_run(arm, seed))
         r = results[-1]
-        print(f"{arm:4s} seed {seed}: held-out avg@2 {r['held_out']:5.1f}%  tool errors {r['tool_errors']:4.1f}%  "
+        print(f"{arm:4s} seed {seed} (lr {r['lr']:.0e}): held-out avg@2 {r['held_out']:5.1f}%  "
+              f"tool errors {r['tool_errors']:4.1f}%  "
               f"train acc (last 5 steps) {r['train_acc_last5']:5.1f}%  train {r['train_seconds']:5.0f} s", flush=True)
 with open(os.path.join(args.out_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
