@@ -54,7 +54,7 @@ def lora_settings(args) -> dict | None:
         return None
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
     return dict(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                target_modules=targets)
+                target_modules=targets, seed=getattr(args, "seed", 0))
 
 
 def base_dtype(device) -> torch.dtype:
@@ -64,10 +64,15 @@ def base_dtype(device) -> torch.dtype:
 
 def add_lora(model, settings: dict):
     """`model` (an HF causal LM, before sharding) with LoRA adapters: a peft model whose base is frozen
-    and whose adapters (fp32, B = 0) alone require gradients."""
+    and whose adapters (fp32, B = 0) alone require gradients. A's random init comes from the settings'
+    seed (the run's --seed), whatever drew random numbers before: a rerun starts from the same adapters."""
     from peft import LoraConfig, get_peft_model
+    settings = dict(settings)
+    seed = settings.pop("seed", 0)
     config = LoraConfig(task_type="CAUSAL_LM", bias="none", **settings)
-    return get_peft_model(model, config, autocast_adapter_dtype=True)  # (adapters in fp32 over a bf16 base)
+    with torch.random.fork_rng(devices=[]):  # (the process's own random stream is left as it was)
+        torch.manual_seed(seed)
+        return get_peft_model(model, config, autocast_adapter_dtype=True)  # (fp32 adapters, bf16 base)
 
 
 def is_lora(model) -> bool:
