@@ -226,7 +226,8 @@ def _trainer_storages(model, optimizer, buffers) -> dict:
         state = optimizer.state.get(param, {})
         for key in [k for k, v in state.items() if torch.is_tensor(v) and v.dim()]:
             found[(i, key)] = local(state[key])
-        if not state and isinstance(optimizer, torch.optim.Adam):  # (AdamW is one)
+        # (AdamW is an Adam; a frozen weight, LoRA's base, never gets moments: no buffers for them)
+        if not state and param.requires_grad and isinstance(optimizer, torch.optim.Adam):
             for key in ("exp_avg", "exp_avg_sq"):
                 if (i, key) not in buffers:
                     nbytes = found[(i, "param")].numel() * found[(i, "param")].element_size()

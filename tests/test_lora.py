@@ -185,6 +185,24 @@ def test_a_checkpoint_of_another_rank_says_what_to_do(base_dir, tmp_path):
                     False, "d")
 
 
+def test_offloading_a_lora_trainer_holds_the_base_and_the_adapters_moments_alone(base_dir):
+    """engine.trainer_offloaded's host buffers, from the first offload (before AdamW has moments): every
+    weight (the frozen base too) and two moments for each adapter weight, none for the base (at 14B on
+    one GPU that would pin 59 GB of host memory the plan does not count)."""
+    from engine import trainer_offloaded
+    model = lora_model(base_dir)
+    optimizer = torch.optim.AdamW(trainable(model), lr=1e-2)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = 2 * sum(p.numel() * p.element_size() for p in trainable(model))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    kept = rollouts()
+    for round in range(2):
+        with trainer_offloaded(model, optimizer, torch.device("cpu")) as host:
+            held = sum(buffer.numel() for buffer in host)
+        assert held == weights + moments + buffers, f"round {round}: {held} bytes held on the host"
+        update(model, optimizer, kept, [1.0, -1.0] * 3)
+
+
 def test_the_gpu_layout_a_bf16_base_and_fp32_adapters_shard_and_train_under_bf16_mixed_precision():
     """What load_sharded_model builds on GPUs (lora.base_dtype), sharded as shard_model does there (bf16
     compute, fp32 reduce), here on gloo: FSDP2 takes the mixed dtypes, the adapters alone get fp32
