@@ -3,11 +3,13 @@ on a random-weight Qwen3 of published dims (nothing is downloaded), padded again
 
     python bench/trainer_gpu.py --model Qwen3-1.7B --rollouts 64   # one H100 80GB: a few minutes
     python bench/trainer_gpu.py --model Qwen3-4B --rollouts 16
+    python bench/trainer_gpu.py --model Qwen3-8B --rollouts 16 --lora-rank 32   # LoRA, as train.py's flag
     python bench/trainer_gpu.py --model tiny --rollouts 8 --min-tokens 16 --max-tokens 64  # a CPU, seconds
 
 1. The model: Qwen3 of the dims the hub publishes (QWEN3 below), random bf16 weights written once to
    --work-dir, loaded by training.load_sharded_model as train.py loads it: fp32 master weights, FSDP2
-   over one rank, bf16 compute and activation checkpointing on GPUs.
+   over one rank, bf16 compute and activation checkpointing on GPUs. With --lora-rank (and train.py's
+   other LoRA flags: lora.py) a frozen bf16 base and fp32 adapters, AdamW over the adapters alone.
 2. The batch: an RL step's, --rollouts rollouts (2G per problem) of --min-tokens to --max-tokens
    response tokens after a shared --prompt-tokens prompt; tool outputs every few hundred tokens,
    masked out of the loss as rollout.py masks them; random rewards and tool failures; GRPO-RoC keeps
@@ -19,7 +21,8 @@ on a random-weight Qwen3 of published dims (nothing is downloaded), padded again
    padded to the longest of their micro-batch, foreach AdamW (train.py before); packed: rows back to
    back (logprobs.token_logprobs(packed=True)), fused AdamW on GPUs (train.py now).
 4. Per way and phase: seconds, tokens/s (the rollouts' tokens, no padding), MFU (6PN for training,
-   2PN for old log-probs, over --peak-tflops), the allocated and reserved peak beside the memory
+   2PN for old log-probs; 4PN for LoRA's training, which computes no weight gradient of the base;
+   over --peak-tflops), the allocated and reserved peak beside the memory
    plan's figure for the trainer (memory_plan.plan at 1 GPU, without the engine and the context).
 5. --offload-rounds rounds of engine.trainer_offloaded: the weights and moments out to host buffers
    and back, seconds and GB/s each way.
@@ -38,6 +41,7 @@ import torch  # noqa: E402
 
 import memory_plan  # noqa: E402
 from engine import trainer_offloaded  # noqa: E402
+from lora import add_lora_flags, describe, lora_settings, trainable  # noqa: E402
 from grpo_roc import group_advantages, policy_loss, resample_on_correct  # noqa: E402
 from logprobs import right_pad, token_logprobs, trajectory_tensors  # noqa: E402
 from rollout import Trajectory  # noqa: E402
@@ -74,7 +78,8 @@ parser.add_argument("--peak-tflops", type=float, default=None,
                     help="the GPU's dense bf16 peak for MFU (default: known from its name, else none)")
 parser.add_argument("--work-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "rstar2-agent",
                                                        "bench-models"), help="where the random models are")
-parser.add_argument("--seed", type=int, default=0, help="the weights' and the batch's seed")
+parser.add_argument("--seed", type=int, default=0, help="the weights', the batch's and the adapters' seed")
+add_lora_flags(parser)  # --lora-rank r: the update of LoRA adapters on a frozen base (lora.py)
 args = parser.parse_args()
 
 
@@ -191,8 +196,9 @@ def offload_rounds(model, optimizer, device) -> list[tuple[float, float, int]]:
 def main():
     _, _, _, device = init_distributed()
     on_gpu = device.type == "cuda"
-    model = load_sharded_model(random_model_dir(), device, activation_checkpointing=on_gpu).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    model = load_sharded_model(random_model_dir(), device, activation_checkpointing=on_gpu,
+                               lora=lora_settings(args)).train()
+    optimizer = torch.optim.AdamW(trainable(model), lr=1e-6, weight_decay=0.01)
     config = QWEN3[args.model]
     kept, advantages = rl_batch(config["vocab_size"])
     params = sum(p.numel() for p in model.parameters())
@@ -201,9 +207,10 @@ def main():
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / memory_plan.GiB if on_gpu else 80
     plan = memory_plan.plan(config, ranks=1, gpu_gib=gpu_gib, micro_batch_tokens=args.micro_batch_tokens,
-                            rollout_tokens=args.prompt_tokens + args.max_tokens, offload="off")
-    print(f"trainer: {args.model} ({params / 1e6:.3f}M parameters, random weights) on {name}; "
-          f"{len(kept)} kept rollouts, {tokens} tokens ({min(t.response_length for t in kept)}-"
+                            rollout_tokens=args.prompt_tokens + args.max_tokens, offload="off",
+                            lora_rank=args.lora_rank)
+    print(f"trainer: {args.model} ({params / 1e6:.3f}M parameters, random weights; {describe(model)}) "
+          f"on {name}; {len(kept)} kept rollouts, {tokens} tokens ({min(t.response_length for t in kept)}-"
           f"{max(t.response_length for t in kept)} response tokens each); micro-batches of "
           f"{args.micro_batch_tokens} tokens; {args.rounds} rounds a way, the first a warm-up")
     results = {}
@@ -218,7 +225,8 @@ def main():
           f"({1 - tokens / padded_tokens:.1%} padding)")
     print(f"{'way':>6}  {'phase':>14}  {'s':>7}  {'tokens/s':>9}  {'MFU':>6}  {'alloc GiB':>9}  {'plan':>6}  "
           f"{'reserved':>8}  {'plan':>6}")
-    flops = {"old log-probs": 2, "training": 6, "optimizer step": 0}  # x parameters x tokens
+    # x parameters x tokens: the backward of a frozen weight computes its input's gradient, not its own
+    flops = {"old log-probs": 2, "training": 4 if args.lora_rank else 6, "optimizer step": 0}
     rate = {}
     for way, runs in results.items():
         for phase, per_token in flops.items():
