@@ -58,10 +58,7 @@ PRESETS = {  # the toy world on a CPU: the SFT'd toy model, minutes not days
     "toy": dict(model="runs/toy_sft", data="data/toy/train.jsonl", out_dir="runs/toy_rl", steps=20,
                 problems_per_step=16, rollouts_per_problem=8, group_size=4, max_response=384,
                 max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2, save_every=10, sample_every=5,
-                deterministic=True,  # (seeded turns: a rerun is the same run; cheap on a CPU)
-                # With --lora-rank: a smaller LoRA scale and a larger learning rate than peers' defaults
-                # (lora.py), the best of those measured on the toy (docs/benchmarks.md).
-                lora_alpha=8.0, lora_lr_scale=20.0),
+                deterministic=True),  # (seeded turns: a rerun is the same run; cheap on a CPU)
 }
 
 parser = argparse.ArgumentParser(description="GRPO-RoC training with multi-turn Python tool use.")
