@@ -41,6 +41,9 @@ def add_lora_flags(group) -> None:
                             "comma-separated names, e.g. q_proj,k_proj,v_proj,o_proj")
     group.add_argument("--lora-lr-scale", type=float, default=LR_SCALE,
                        help="the adapters' learning rate is --lr (full fine-tuning's) times this")
+    group.add_argument("--lora-train", default="",
+                       help="comma-separated modules trained in full beside the adapters, in fp32 at --lr "
+                            "(unscaled), e.g. lm_head (the toy's: docs/benchmarks.md)")
 
 
 def peak_lr(args) -> float:
@@ -54,7 +57,8 @@ def lora_settings(args) -> dict | None:
         return None
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
     return dict(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                target_modules=targets, seed=getattr(args, "seed", 0))
+                target_modules=targets, seed=getattr(args, "seed", 0),
+                train_modules=[name for name in args.lora_train.split(",") if name])
 
 
 def base_dtype(device) -> torch.dtype:
@@ -64,15 +68,20 @@ def base_dtype(device) -> torch.dtype:
 
 def add_lora(model, settings: dict):
     """`model` (an HF causal LM, before sharding) with LoRA adapters: a peft model whose base is frozen
-    and whose adapters (fp32, B = 0) alone require gradients. A's random init comes from the settings'
-    seed (the run's --seed), whatever drew random numbers before: a rerun starts from the same adapters."""
+    and whose adapters (fp32, B = 0) and train_modules (cast to fp32) alone require gradients. A's random
+    init comes from the settings' seed (the run's --seed), whatever drew random numbers before: a rerun
+    starts from the same adapters."""
     from peft import LoraConfig, get_peft_model
     settings = dict(settings)
-    seed = settings.pop("seed", 0)
+    seed, train_modules = settings.pop("seed", 0), settings.pop("train_modules", [])
     config = LoraConfig(task_type="CAUSAL_LM", bias="none", **settings)
     with torch.random.fork_rng(devices=[]):  # (the process's own random stream is left as it was)
         torch.manual_seed(seed)
-        return get_peft_model(model, config, autocast_adapter_dtype=True)  # (fp32 adapters, bf16 base)
+        model = get_peft_model(model, config, autocast_adapter_dtype=True)  # (fp32 adapters, bf16 base)
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in train_modules:  # (in place, under the base model's names: no merge)
+            module.to(torch.float32).requires_grad_(True)
+    return model
 
 
 def is_lora(model) -> bool:
@@ -119,8 +128,18 @@ def merged_weights(model, dtype):
 
 
 def trainable(model) -> list[torch.nn.Parameter]:
-    """The parameters AdamW trains: the adapters with LoRA, else every one."""
+    """The parameters AdamW trains: the adapters (and --lora-train's modules) with LoRA, else every one."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def param_groups(model, args) -> list[dict]:
+    """AdamW's parameter groups, each at its peak learning rate ("lr"): the adapters at --lr x
+    --lora-lr-scale, then what is trained in full (every weight without LoRA, --lora-train's modules with
+    it) at --lr. The schedule scales each group's peak (train.py, sft.py)."""
+    adapters = [p for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
+    full = [p for name, p in model.named_parameters() if p.requires_grad and ".lora_" not in name]
+    groups = [dict(params=adapters, lr=peak_lr(args)), dict(params=full, lr=args.lr)]
+    return [group for group in groups if group["params"]]
 
 
 def describe(model) -> str:

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from conversation import pad_token_id, render_messages
 from logprobs import SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs
-from lora import add_lora_flags, describe, lora_settings, peak_lr, trainable
+from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
 from training import init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -193,7 +193,9 @@ def main(argv=None):
         print(f"model: {describe(model)}; peak learning rate {peak_lr(args):.2e}")
 
     # ---- optimizer ----
-    optimizer = torch.optim.AdamW(trainable(model), lr=peak_lr(args), weight_decay=args.weight_decay)
+    groups = param_groups(model, args)  # (the adapters, then what trains in full: lora.py)
+    peaks = [group["lr"] for group in groups]
+    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
 
     # ---- training loop ----
     metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "w", buffering=1) if master else None
@@ -213,9 +215,9 @@ def main(argv=None):
         n_tokens = sum(lengths[i] for i in batch)
         n_padded = sum(len(mb) * lengths[batch[mb[0]]] for rank_plan in plan for mb in rank_plan if mb)
 
-        lr = lr_at(step, total_steps, warmup_steps, peak_lr(args))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        for group, peak in zip(optimizer.param_groups, peaks):
+            group["lr"] = lr_at(step, total_steps, warmup_steps, peak)
+        lr = optimizer.param_groups[0]["lr"]
         nll_sum_local = torch.zeros((), device=device)
         prefix_ids = torch.tensor(samples[batch[0]][0][:shared], device=device)
         prefix = SharedPrefix(model, prefix_ids) if shared else None

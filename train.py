@@ -37,7 +37,7 @@ from conversation import pad_token_id, prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, trainer_offloaded, wake_for_rollout)
 from grpo_roc import DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, filter_void_turns, group_advantages
-from lora import add_lora_flags, describe, lora_settings, peak_lr, trainable
+from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
 from rollout import add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
@@ -58,7 +58,10 @@ PRESETS = {  # the toy world on a CPU: the SFT'd toy model, minutes not days
     "toy": dict(model="runs/toy_sft", data="data/toy/train.jsonl", out_dir="runs/toy_rl", steps=20,
                 problems_per_step=16, rollouts_per_problem=8, group_size=4, max_response=384,
                 max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2, save_every=10, sample_every=5,
-                deterministic=True),  # (seeded turns: a rerun is the same run; cheap on a CPU)
+                deterministic=True,  # (seeded turns: a rerun is the same run; cheap on a CPU)
+                # With --lora-rank the head trains in full too: in a 4-layer model its logits carry the
+                # choice to call the tool, and LoRA alone learned it 5 points slower (docs/benchmarks.md)
+                lora_train="lm_head"),
 }
 
 parser = argparse.ArgumentParser(description="GRPO-RoC training with multi-turn Python tool use.")
@@ -165,6 +168,8 @@ plan_settings = dict(gpu_gib=args.gpu_memory, micro_batch_tokens=args.micro_batc
                      rollouts_per_step=args.problems_per_step * args.rollouts_per_problem,
                      lora_rank=args.lora_rank)
 if args.plan:
+    if args.lora_rank and args.lora_train:
+        print(f"(the plan leaves out --lora-train's {args.lora_train}: 14 bytes a parameter more than frozen)")
     raise SystemExit(memory_plan.report(args.model, args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8)),
                                         offload=args.offload_trainer, **plan_settings))
 problems = read_problems(args.data)  # (checked before anything slow starts)
@@ -200,7 +205,9 @@ eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)
 log(f"data: {len(problems)} problems from {args.data}; "
     f"dropped {n_long} with a prompt over {args.max_prompt} tokens")
-optimizer = torch.optim.AdamW(trainable(model), lr=peak_lr(args), weight_decay=args.weight_decay,
+groups = param_groups(model, args)  # (the adapters, then what trains in full: lora.py)
+peaks = [group["lr"] for group in groups]  # (each group's; a loaded optimizer state does not change them)
+optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay,
                               fused=device.type == "cuda")  # (one kernel per step on GPUs)
 
 # Where the run starts: its own newest checkpoint (--resume), an earlier stage's (--init-from), or
@@ -282,9 +289,10 @@ for step in range(start_step, args.steps):
 
     # ---- 4. the policy update (its tensors are freed when it returns, before the sync) ----
     t0 = time.perf_counter()
-    lr = peak_lr(args) * min(1.0, (step + 1) / max(args.warmup_steps, 1))  # (--lr; LoRA's: lora.py)
-    for g in optimizer.param_groups:
-        g["lr"] = lr
+    warm = min(1.0, (step + 1) / max(args.warmup_steps, 1))
+    for g, peak in zip(optimizer.param_groups, peaks):
+        g["lr"] = peak * warm
+    lr = peaks[0] * warm  # (--lr; LoRA's adapters': lora.py)
     row.update(policy_update(policy, kept, advantages, problem_queue), lr=lr)
     row["train_seconds"] = time.perf_counter() - t0
 

@@ -261,6 +261,12 @@ def load_checkpoint(model, optimizer, path: str, with_optimizer: bool = True) ->
         raise SystemExit(f"{path} was trained with --lora-rank {saved}, this run has --lora-rank {rank}\n"
                          f"---> HINT: continue a run with its own --model and --lora-rank")
     state = {"model": get_model_state_dict(model, options=TRAINED)}
+    held = {k.removeprefix("model.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            if k.startswith("model.")}
+    if held != set(state["model"]):  # (e.g. another --lora-train: dcp.load would not say why)
+        raise SystemExit(f"{path} holds other trained weights than this run trains (such as "
+                         f"{sorted(held ^ set(state['model']))[0]})\n"
+                         f"---> HINT: continue a run with its own --model, --lora-rank and --lora-train")
     if with_optimizer:  # (materialises the optimizer's state: one zero step of AdamW, torch 2.13)
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=path)

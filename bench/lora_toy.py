@@ -4,7 +4,8 @@
     python bench/lora_toy.py --seeds 0 1 2 --rank 32 --steps 20
 
 Each arm and seed is one `train.py --preset toy` run (the same steps, data and seed for both arms; LoRA
-adds --lora-rank and nothing else, so its learning rate is the preset's x --lora-lr-scale), then one
+adds --lora-rank and nothing else: the adapters train at the preset's lr x --lora-lr-scale, and the
+preset's --lora-train lm_head trains the head in full at its lr), then one
 `eval.py` of its final/ on the toy held-out set. The arms alternate so that the machine's load falls on
 both. The gap's standard error is over seeds (the spread of whole runs), not over samples. Last line:
 `lora toy: full <a>% LoRA r=<r> <b>% held-out avg@2: <b - a> points (SE <s>, <n> seeds)`.

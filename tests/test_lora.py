@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from lora import add_lora_flags, hf_name, lora_settings, merged_weights, trainable
+from lora import add_lora_flags, hf_name, lora_settings, merged_weights, param_groups, trainable
 from logprobs import token_logprobs
 from test_update import rollouts, tiny_model, update
 from training import init_distributed, load_sharded_model, save_checkpoint, save_hf_checkpoint, start_point
@@ -183,6 +183,44 @@ def test_a_checkpoint_of_another_rank_says_what_to_do(base_dir, tmp_path):
     with pytest.raises(SystemExit, match="trained with --lora-rank 4, this run has --lora-rank 0"):
         start_point(full, torch.optim.AdamW(full.parameters()), str(tmp_path / "new"), False, str(tmp_path),
                     False, "d")
+
+
+def full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def test_lora_train_trains_the_head_in_full_at_the_unscaled_lr_and_the_merge_carries_it(base_dir):
+    """--lora-train lm_head: AdamW's groups are the adapters at --lr x scale and the head (fp32) at --lr;
+    an update changes those alone; the merged weights hold the trained head and score as the trainer."""
+    args = lora_flags("--lora-train", "lm_head")
+    args.lr = 1e-3
+    model = load_sharded_model(str(base_dir), torch.device("cpu"), lora=lora_settings(args)).train()
+    groups = param_groups(model, args)
+    head = model.base_model.model.lm_head.weight
+    assert [group["lr"] for group in groups] == [1e-3 * args.lora_lr_scale, 1e-3]
+    assert groups[1]["params"] == [head] and head.dtype == torch.float32 and head.requires_grad
+    before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(groups)
+    kept = rollouts()
+    for _ in range(2):
+        update(model, optimizer, kept, [1.0, -1.0] * 3)
+    changed = {name for name, p in model.named_parameters() if not torch.equal(full(p), before[name])}
+    assert "base_model.model.lm_head.weight" in changed and any(".lora_B." in n for n in changed)
+    assert all(".lora_" in n or n == "base_model.model.lm_head.weight" for n in changed), \
+        f"frozen weights changed: {sorted(n for n in changed if '.lora_' not in n)[:3]}"
+    merged = dict(merged_weights(model, torch.float32))
+    assert torch.equal(merged["lm_head.weight"], full(head))
+    assert (scores(plain_with(merged), IDS) - scores(model, IDS)).abs().max() < 1e-5
+
+
+def test_a_checkpoint_of_other_trained_modules_says_what_to_do(base_dir, tmp_path):
+    model, optimizer = trained_lora_model(base_dir, steps=1)
+    meta = dict(position=8, stream_start=0, config={"data": "d", "lora_rank": RANK})
+    save_checkpoint(model, optimizer, str(tmp_path), 1, meta)
+    with_head = lora_model(base_dir, "--lora-train", "lm_head")
+    with pytest.raises(SystemExit, match="other trained weights .*lm_head"):
+        start_point(with_head, torch.optim.AdamW(trainable(with_head)), str(tmp_path / "new"), False,
+                    str(tmp_path), False, "d")
 
 
 def test_offloading_a_lora_trainer_holds_the_base_and_the_adapters_moments_alone(base_dir):
