@@ -241,14 +241,16 @@ def test_offloading_a_lora_trainer_holds_the_base_and_the_adapters_moments_alone
         update(model, optimizer, kept, [1.0, -1.0] * 3)
 
 
-def test_the_gpu_layout_a_bf16_base_and_fp32_adapters_shard_and_train_under_bf16_mixed_precision():
+@pytest.mark.parametrize("train", [[], ["--lora-train", "lm_head"]], ids=["adapters", "adapters-and-head"])
+def test_the_gpu_layout_a_bf16_base_and_fp32_adapters_shard_and_train_under_bf16_mixed_precision(train):
     """What load_sharded_model builds on GPUs (lora.base_dtype), sharded as shard_model does there (bf16
-    compute, fp32 reduce), here on gloo: FSDP2 takes the mixed dtypes, the adapters alone get fp32
-    gradients, AdamW steps, and the merge is the fp32 sum rounded once to the base's bf16."""
+    compute, fp32 reduce), here on gloo: FSDP2 takes the mixed dtypes, the adapters (and --lora-train's
+    head, cast to fp32) alone get fp32 gradients, AdamW steps, and the merge is the fp32 sum rounded once
+    to the base's bf16."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from lora import add_lora
-    model = add_lora(tiny_model().to(torch.bfloat16), lora_settings(lora_flags()))
+    model = add_lora(tiny_model().to(torch.bfloat16), lora_settings(lora_flags(*train)))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (1,))
     for layer in model.base_model.model.model.layers:
@@ -266,3 +268,6 @@ def test_the_gpu_layout_a_bf16_base_and_fp32_adapters_shard_and_train_under_bf16
     by_hand = (up.base_layer.weight.full_tensor().float() + up.scaling["default"] * b @ a).to(torch.bfloat16)
     assert b.abs().max() > 0 and torch.equal(merged["model.layers.0.mlp.up_proj.weight"], by_hand)
     assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    head = model.base_model.model.lm_head.weight
+    assert head.requires_grad == bool(train) and head.dtype == (torch.float32 if train else torch.bfloat16)
+    assert torch.equal(merged["lm_head.weight"], head.full_tensor().to(torch.bfloat16))
