@@ -2,6 +2,7 @@
 
     python bench/lora_toy.py                                  # after `python demo.py` (runs/toy_sft, data/toy)
     python bench/lora_toy.py --seeds 0 1 2 --rank 32 --steps 20
+    python bench/lora_toy.py --lora-args "--lora-train ''"    # LoRA with the head frozen
 
 Each arm and seed is one `train.py --preset toy` run (the same steps, data and seed for both arms; LoRA
 adds --lora-rank and nothing else: the adapters train at the preset's lr x --lora-lr-scale, and the
@@ -15,6 +16,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,9 +31,11 @@ parser.add_argument("--rank", type=int, default=32, help="the LoRA arm's --lora-
 parser.add_argument("--steps", type=int, default=20, help="RL steps of each run (the toy preset's)")
 parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per arm and seed")
 parser.add_argument("--out-dir", default="runs/bench_lora_toy", help="the runs and their evaluations")
+parser.add_argument("--lora-args", default="",
+                    help="more train.py flags for the LoRA arm, e.g. \"--lora-train ''\" (the head frozen)")
 args = parser.parse_args()
 
-ARMS = {"full": [], "lora": ["--lora-rank", str(args.rank)]}
+ARMS = {"full": [], "lora": ["--lora-rank", str(args.rank), *shlex.split(args.lora_args)]}
 
 
 def run(cmd: list[str], log: str) -> float:
