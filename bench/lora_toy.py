@@ -75,8 +75,8 @@ for seed in args.seeds:
         results.append(one_run(arm, seed))
         r = results[-1]
         print(f"{arm:4s} seed {seed} (lr {r['lr']:.0e}): held-out avg@2 {r['held_out']:5.1f}%  "
-              f"tool errors {r['tool_errors']:4.1f}%  "
-              f"train acc (last 5 steps) {r['train_acc_last5']:5.1f}%  train {r['train_seconds']:5.0f} s", flush=True)
+              f"tool errors {r['tool_errors']:4.1f}%  train acc (last 5 steps) {r['train_acc_last5']:5.1f}%  "
+              f"train {r['train_seconds']:5.0f} s", flush=True)
 with open(os.path.join(args.out_dir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
 
