@@ -63,18 +63,22 @@ def test_two_steps_learn_and_the_engine_samples_with_the_new_weights(tmp_path, t
 
 def test_lora_the_engine_samples_the_merged_policy_and_final_is_a_plain_model(tmp_path, toy_sft_model,
                                                                               toy_world):
+    """The toy preset trains the head in full beside the adapters (--lora-train lm_head): the sync, the
+    export and the checkpoint carry it too."""
     rows = train(tmp_path, toy_sft_model, toy_world / "train.jsonl", "--steps", "2", "--lora-rank", "8")
     # Step 2 was sampled after the first sync of the merged weights W + (alpha/r) B A: the trainer's policy.
     mismatch = rows[1]["logprob_mismatch_max"]
     assert mismatch < 1e-4, f"engine and trainer disagree by {mismatch:.2e}"
     final, base = weights(tmp_path / "final"), weights(toy_sft_model)
     changed = {k for k in base if not torch.equal(final[k], base[k])}
-    assert changed and all(k.endswith("proj.weight") for k in changed), \
-        f"final/ must be the base with the adapted linear layers merged: {sorted(changed)[:4]}"
+    assert "lm_head.weight" in changed and any(k.endswith("proj.weight") for k in changed)
+    assert all(k.endswith("proj.weight") or k == "lm_head.weight" for k in changed), \
+        f"final/ must be the base with the adapted linear layers merged and the head: {sorted(changed)[:4]}"
     from torch.distributed.checkpoint import FileSystemReader
     saved = FileSystemReader(str(tmp_path / "checkpoints" / "step_2")).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]
-    assert model_keys and all(".lora_" in k for k in model_keys), "a LoRA checkpoint holds the adapters alone"
+    assert model_keys and all(".lora_" in k or k.endswith("lm_head.weight") for k in model_keys), \
+        "a LoRA checkpoint holds the adapters and the head alone"
 
 
 def test_resume_continues_exactly_and_logs_each_step_once(tmp_path, straight, toy_sft_model, toy_world):
