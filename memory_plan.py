@@ -333,28 +333,33 @@ def _engine(s: Shape, gpu_gib: float) -> tuple[dict, dict]:
     return awake, asleep
 
 
-def _trainer_state(s: Shape, ranks: int, lora_rank: int, gradients: bool) -> dict:
+def _trainer_state(s: Shape, ranks: int, lora_rank: int, gradients: bool, lora_head: bool = False) -> dict:
     """The trainer's weights and AdamW moments per GPU (and its gradients, while it trains): fp32 all
-    16 bytes a parameter; with LoRA (lora.py) the base frozen in bf16, 2, and the adapters' 16."""
+    16 bytes a parameter; with LoRA (lora.py) the base frozen in bf16, 2, and the adapters' 16 (and the
+    head's, with lora_head: train.py --lora-train lm_head)."""
     what = "gradients, AdamW moments" if gradients else "AdamW moments"
     state_bytes = 16 if gradients else 12
     if not lora_rank:
         return {f"trainer: fp32 weights, {what}": state_bytes * s.params // ranks}
     adapters = s.layers * s.adapter_params(lora_rank)
-    return {"trainer: bf16 frozen base": 2 * s.params // ranks,
-            f"trainer: fp32 adapters, {what}": state_bytes * adapters // ranks}
+    head = s.vocab * s.hidden if lora_head else 0
+    terms = {"trainer: bf16 frozen base": 2 * (s.params - head) // ranks,
+             f"trainer: fp32 adapters, {what}": state_bytes * adapters // ranks}
+    if lora_head:
+        terms[f"trainer: fp32 head, {what}"] = state_bytes * head // ranks
+    return terms
 
 
 def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int, logprob_chunk: int,
-              lora_rank: int = 0) -> dict:
+              lora_rank: int = 0, lora_head: bool = False) -> dict:
     """The trainer's terms at the worst of the backward's three moments (the module's docstring, 3).
     With LoRA the head and the embeddings are frozen (no gradient of theirs, no root reduce), a layer's
     gradients are its adapters'."""
     h, v = s.hidden, s.vocab
     tokens = max(micro_batch_tokens, rollout_tokens)  # a row over the budget goes alone (plan_micro_batches)
-    always = _trainer_state(s, ranks, lora_rank, gradients=True)
+    always = _trainer_state(s, ranks, lora_rank, gradients=True, lora_head=lora_head)
     trained = s.adapter_params(lora_rank) if lora_rank else s.layer_params  # a layer's trained parameters
-    head_gradient = 0 if lora_rank else 2 * v * h
+    head_gradient = 0 if lora_rank and not lora_head else 2 * v * h
     # FSDP2 does not reshard the root after its forward (fsdp/_fully_shard/_fsdp_state.py)
     kept = {"root gathered (bf16)": 2 * s.embedding_params,
             "each layer's input (checkpoints)": 2 * s.layers * tokens * h,
@@ -371,18 +376,18 @@ def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int
              "a layer's bf16 gradients, fp32 reduce copy": (2 + 4) * trained,
              "a layer's activations recomputed": tokens * s.layer_activation_bytes,
              "head's bf16 gradient": head_gradient}
-    root_gradients = 0 if lora_rank else (2 + 4) * s.embedding_params
+    root_gradients = (2 + 4) * (v * h if lora_head else 0) if lora_rank else (2 + 4) * s.embedding_params
     root_reduce = {"root's bf16 gradients, fp32 reduce copy": root_gradients}
     moments = [{**always, **kept, **logprob_chunks}, {**always, **kept, **layer}, {**always, **root_reduce}]
     return max(moments, key=lambda terms: sum(terms.values()))
 
 
-def _optimizer_step(s: Shape, ranks: int, lora_rank: int = 0) -> dict:
+def _optimizer_step(s: Shape, ranks: int, lora_rank: int = 0, lora_head: bool = False) -> dict:
     """4. Fused AdamW (train.py on GPUs) updates each parameter in one kernel, no temporary: weights,
     gradients, moments. (foreach AdamW kept sqrt(second moment) of every parameter at once, 4P/N more:
     torch/optim/adam.py _multi_tensor_adam, exp_avg_sq_sqrt.)"""
     if lora_rank:
-        return _trainer_state(s, ranks, lora_rank, gradients=True)
+        return _trainer_state(s, ranks, lora_rank, gradients=True, lora_head=lora_head)
     return {"trainer: weights, gradients, moments (fused AdamW)": 16 * s.params // ranks}
 
 
@@ -394,24 +399,24 @@ def _allocator_reserve(trainer_terms: dict) -> dict:
 
 
 def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tokens: int, offload: bool,
-            logprob_chunk: int, lora_rank: int = 0) -> tuple[dict, int]:
+            logprob_chunk: int, lora_rank: int = 0, lora_head: bool = False) -> tuple[dict, int]:
     """Every phase's terms for one offload choice, and the engine's share of the GPU."""
     p = s.params
     context = {"CUDA context, NCCL": CONTEXT}
     engine, engine_asleep = _engine(s, gpu / GiB)
-    trainer_state = _trainer_state(s, ranks, lora_rank, gradients=False)
+    trainer_state = _trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head)
     # 2. the share is what the trainer and the context leave, less the margin; the KV cache what the
     # rest of the engine leaves of it
     share = gpu - MARGIN - CONTEXT - (0 if offload else sum(trainer_state.values()))
     kv_cache = {"engine: KV cache": max(0, share - sum(engine.values()))}
     rollout = {**({} if offload else trainer_state), **context, **engine, **kv_cache}
-    training = _training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk, lora_rank)
+    training = _training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk, lora_rank, lora_head)
     training = {**training, **_allocator_reserve(training), **engine_asleep, **context}
-    step = _optimizer_step(s, ranks, lora_rank)
+    step = _optimizer_step(s, ranks, lora_rank, lora_head)
     step = {**step, **_allocator_reserve(step), **engine_asleep, **context}
     # 1. torch/distributed/checkpoint/state_dict.py _init_optim_state: zero gradients and a step with lr 0;
     # at start-up FSDP2 moves each module of rank 0's model to the GPU whole before sharding it
-    initialised = _optimizer_step(s, ranks, lora_rank)
+    initialised = _optimizer_step(s, ranks, lora_rank, lora_head)
     dtype, weight_bytes = ("bf16", 2) if lora_rank else ("fp32", 4)  # (a LoRA base is read in bf16)
     loading = {f"trainer: {dtype} shards": weight_bytes * p // ranks,
                f"a module in full ({dtype})": weight_bytes * max(s.embedding_params, s.layer_params)}
@@ -429,12 +434,13 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
 
 def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_tokens: int,
          offload: str = "auto", logprob_chunk: int = 1024, rollouts_per_step: int = 512 * 32,
-         cores_per_node: int = 224, sleep_level: int = SLEEP_LEVEL, lora_rank: int = 0) -> Plan:
+         cores_per_node: int = 224, sleep_level: int = SLEEP_LEVEL, lora_rank: int = 0,
+         lora_head: bool = False) -> Plan:
     """The plan for `ranks` GPUs of `gpu_gib` GiB each, training in bf16 with fp32 master weights.
     offload: "on", "off" or "auto" (see the module's docstring, 6). rollouts_per_step: the whole batch
     every rank holds (the paper's 512 problems x 32); cores_per_node: the hardware threads the sandbox
     divides (a DGX H100 has 224); sleep_level: engine.sleep's; lora_rank: train.py --lora-rank (0: full
-    fine-tuning)."""
+    fine-tuning); lora_head: the head trained in full beside the adapters (--lora-train lm_head)."""
     if offload not in ("auto", "on", "off"):
         raise ValueError(f"offload={offload!r}\n---> HINT: offload_trainer is one of auto, on, off")
     s = Shape.of(config)
@@ -442,7 +448,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     tried = {}
     for choice in (False, True):
         phases, share = _phases(s, ranks, gpu, micro_batch_tokens, rollout_tokens, choice, logprob_chunk,
-                                lora_rank)
+                                lora_rank, lora_head and bool(lora_rank))
         at_once = phases["rollout"]["engine: KV cache"] // (s.kv_bytes_per_token * rollout_tokens)
         tried[choice] = phases, share, at_once
     # auto: when offloading at least doubles the rollouts at once. (Offloading changes only the
@@ -459,7 +465,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     slots = per_node * max(1, cores_per_node // per_node - 1)  # sandbox.default_workers on every rank
     # The trainer's host buffers are allocated once and kept (engine.trainer_offloaded), each at its
     # exact size: registered pageable memory, not torch's pinned pool, which rounds up to a power of two.
-    state = sum(_trainer_state(s, ranks, lora_rank, gradients=False).values())
+    state = sum(_trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head).values())
     host = {"engines asleep: pinned backups": per_node * engine_host_backup(s, sleep_level),
             "trainer offloaded: pinned weights, moments": per_node * state if chosen else 0,
             "trajectories: each rank's own, every one's numbers":
@@ -476,7 +482,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
                 rollouts_at_once=at_once, offload=chosen,
                 rollouts_with_offload={False: without, True: with_},
                 offload_bytes_per_step=moved, offload_seconds=moved / HOST_LINK_BYTES_PER_S,
-                training=f", LoRA rank {lora_rank}" if lora_rank else "")
+                training=f", LoRA rank {lora_rank}{' and the head' if lora_head else ''}" if lora_rank else "")
 
 
 def _terms(terms: dict, indent: str) -> list[str]:

@@ -166,10 +166,11 @@ downsample([], args.group_size, random.Random(0), **downsample_settings)  # (a b
 plan_settings = dict(gpu_gib=args.gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
                      rollout_tokens=args.max_prompt + args.max_response,
                      rollouts_per_step=args.problems_per_step * args.rollouts_per_problem,
-                     lora_rank=args.lora_rank)
+                     lora_rank=args.lora_rank, lora_head="lm_head" in args.lora_train.split(","))
 if args.plan:
-    if args.lora_rank and args.lora_train:
-        print(f"(the plan leaves out --lora-train's {args.lora_train}: 14 bytes a parameter more than frozen)")
+    uncounted = [m for m in args.lora_train.split(",") if m and m != "lm_head"] if args.lora_rank else []
+    if uncounted:
+        print(f"(the plan counts a trained lm_head, not {','.join(uncounted)}: 14 bytes a parameter more)")
     raise SystemExit(memory_plan.report(args.model, args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8)),
                                         offload=args.offload_trainer, **plan_settings))
 problems = read_problems(args.data)  # (checked before anything slow starts)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from lora import LR_SCALE as LORA_LR_SCALE
 from lora import add_lora_flags, hf_name, lora_settings, merged_weights, param_groups, trainable
 from logprobs import token_logprobs
 from test_update import rollouts, tiny_model, update
@@ -211,6 +212,30 @@ def test_lora_train_trains_the_head_in_full_at_the_unscaled_lr_and_the_merge_car
     merged = dict(merged_weights(model, torch.float32))
     assert torch.equal(merged["lm_head.weight"], full(head))
     assert (scores(plain_with(merged), IDS) - scores(model, IDS)).abs().max() < 1e-5
+
+
+def test_a_checkpoint_with_the_head_trained_resumes_both_groups(base_dir, tmp_path):
+    """--lora-train lm_head: the checkpoint holds the adapters and the head and both groups' moments; a
+    resume restores them, and each group keeps its own learning rate."""
+    def trained(steps):
+        args = lora_flags("--lora-train", "lm_head")
+        args.lr = 1e-3
+        model = load_sharded_model(str(base_dir), torch.device("cpu"), lora=lora_settings(args)).train()
+        optimizer = torch.optim.AdamW(param_groups(model, args))
+        for _ in range(steps):
+            update(model, optimizer, rollouts(), [1.0, -1.0] * 3)
+        return model, optimizer
+    model, optimizer = trained(2)
+    meta = dict(position=16, stream_start=0, config={"data": "d", "lora_rank": RANK})
+    save_checkpoint(model, optimizer, str(tmp_path), 2, meta)
+    fresh, fresh_optimizer = trained(0)
+    start_point(fresh, fresh_optimizer, str(tmp_path), True, None, False, "d")
+    # (the sharded head AdamW holds: after a forward FSDP2 leaves the root's weights unsharded on the module)
+    head, fresh_head = model.base_model.model.lm_head.weight, fresh.base_model.model.lm_head.weight
+    moments = full(optimizer.state[head]["exp_avg"]), full(fresh_optimizer.state[fresh_head]["exp_avg"])
+    assert torch.equal(*moments), "resume did not restore the head's AdamW moments"
+    assert torch.equal(scores(fresh, IDS), scores(model, IDS)), "resume did not restore the adapters and head"
+    assert [g["lr"] for g in fresh_optimizer.param_groups] == [1e-3 * LORA_LR_SCALE, 1e-3]
 
 
 def test_a_checkpoint_of_other_trained_modules_says_what_to_do(base_dir, tmp_path):

@@ -245,6 +245,22 @@ def test_a_lora_plan_by_hand():
     assert lora.kv_cache == full.kv_cache + 12 * 388 // 2 - (2 * 388 + 12 * adapters) // 2
 
 
+def test_a_lora_plan_with_the_head_trained_by_hand():
+    """--lora-train lm_head: the head (V x H = 10 x 4 here) leaves the bf16 base (2 bytes a parameter) for
+    fp32 weights, gradients and moments (16), and its gradient terms return in training."""
+    settings = dict(ranks=2, gpu_gib=10, micro_batch_tokens=512, rollout_tokens=1000, offload="off",
+                    rollouts_per_step=4, cores_per_node=6, lora_rank=2)
+    lora, head = plan(TINY, **settings), plan(TINY, **settings, lora_head=True)
+    step = head.phases["optimizer step"]
+    assert step["trainer: bf16 frozen base"] == 2 * (388 - 40) // 2
+    assert step["trainer: fp32 head, gradients, AdamW moments"] == 16 * 40 // 2
+    assert head.phases["rollout"]["trainer: fp32 head, AdamW moments"] == 12 * 40 // 2
+    assert "trainer: fp32 head, gradients, AdamW moments" not in lora.phases["optimizer step"]
+    gradient_terms = ("head's bf16 gradient", "root's bf16 gradients, fp32 reduce copy")
+    gradients = [sum(p.phases["training"].get(term, 0) for term in gradient_terms) for p in (lora, head)]
+    assert gradients[0] == 0 < gradients[1], "the trained head's gradient is not counted"
+
+
 def test_lora_puts_14b_stage_1_on_one_gpu():
     """The plan's target for --lora-rank 32: Qwen3-14B's stage 1 (rollouts of 2K + 8K tokens) on one 80 GiB
     GPU with at least 8 rollouts at their longest; full fine-tuning does not fit there."""
