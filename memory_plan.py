@@ -353,8 +353,8 @@ def _trainer_state(s: Shape, ranks: int, lora_rank: int, gradients: bool, lora_h
 def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int, logprob_chunk: int,
               lora_rank: int = 0, lora_head: bool = False) -> dict:
     """The trainer's terms at the worst of the backward's three moments (the module's docstring, 3).
-    With LoRA the head and the embeddings are frozen (no gradient of theirs, no root reduce), a layer's
-    gradients are its adapters'."""
+    With LoRA the embeddings are frozen and so is the head unless lora_head (no gradient of theirs, no
+    root reduce), and a layer's gradients are its adapters'."""
     h, v = s.hidden, s.vocab
     tokens = max(micro_batch_tokens, rollout_tokens)  # a row over the budget goes alone (plan_micro_batches)
     always = _trainer_state(s, ranks, lora_rank, gradients=True, lora_head=lora_head)
@@ -448,7 +448,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     tried = {}
     for choice in (False, True):
         phases, share = _phases(s, ranks, gpu, micro_batch_tokens, rollout_tokens, choice, logprob_chunk,
-                                lora_rank, lora_head and bool(lora_rank))
+                                lora_rank, lora_head)
         at_once = phases["rollout"]["engine: KV cache"] // (s.kv_bytes_per_token * rollout_tokens)
         tried[choice] = phases, share, at_once
     # auto: when offloading at least doubles the rollouts at once. (Offloading changes only the

@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from lora import LR_SCALE as LORA_LR_SCALE
-from lora import add_lora_flags, hf_name, lora_settings, merged_weights, param_groups, trainable
+from lora import LR_SCALE, add_lora_flags, hf_name, lora_settings, merged_weights, param_groups, trainable
 from logprobs import token_logprobs
 from test_update import rollouts, tiny_model, update
 from training import init_distributed, load_sharded_model, save_checkpoint, save_hf_checkpoint, start_point
@@ -235,7 +234,7 @@ def test_a_checkpoint_with_the_head_trained_resumes_both_groups(base_dir, tmp_pa
     moments = full(optimizer.state[head]["exp_avg"]), full(fresh_optimizer.state[fresh_head]["exp_avg"])
     assert torch.equal(*moments), "resume did not restore the head's AdamW moments"
     assert torch.equal(scores(fresh, IDS), scores(model, IDS)), "resume did not restore the adapters and head"
-    assert [g["lr"] for g in fresh_optimizer.param_groups] == [1e-3 * LORA_LR_SCALE, 1e-3]
+    assert [g["lr"] for g in fresh_optimizer.param_groups] == [1e-3 * LR_SCALE, 1e-3]
 
 
 def test_a_checkpoint_of_other_trained_modules_says_what_to_do(base_dir, tmp_path):
