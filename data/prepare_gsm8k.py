@@ -24,9 +24,7 @@ The three sets are disjoint by construction (one shuffled list, cut in three). U
 this one carries reasoning: a 135M model has none of its own to call a tool from (docs/paper_differences.md).
 """
 import argparse
-import ast
 import json
-import keyword
 import os
 import random
 import re
@@ -35,20 +33,13 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hub  # noqa: E402  (data/hub.py)
-from conversation import format_tool_response  # noqa: E402
+from chains import (Skip, chain_code, conversation, plan_calls, printed_matches,  # noqa: E402
+                    quantity_name, run_calls)
 from grading import as_number  # noqa: E402
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
 ANNOTATION = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
-NAME_WORD = re.compile(r"[A-Za-z]+")
-LEADING = {"a", "an", "the", "of", "in", "on", "at", "to", "is", "are", "and", "so", "for"}  # not a name
-SAY_RESULT = "The code printed {out}.</reason>"
-SAY_FIX = "The code failed, so I will fix it.</reason>"
-
-
-class Skip(Exception):
-    """A solution that cannot be turned into a conversation; the message is the counted reason."""
 
 
 # -----------------------------------------------------------------------------
@@ -63,81 +54,10 @@ def parse_solution(answer: str) -> tuple[str, list[tuple[str, str, str]], str]:
     for match in ANNOTATION.finditer(body):
         expression, result = match.group(1).strip(), match.group(2).strip()
         after = body[match.end():].split("\n")[0]
-        steps.append((quantity_name(after, result, used, len(steps) + 1), expression, result))
+        words = after[len(result):] if after.startswith(result) else after
+        steps.append((quantity_name(words, used, f"step{len(steps) + 1}"), expression, result))
     reasoning = "\n".join(line.strip() for line in ANNOTATION.sub("", body).strip().split("\n"))
     return reasoning, steps, final.strip().replace(",", "")
-
-
-def quantity_name(after: str, result: str, used: set, k: int) -> str:
-    """A Python name for a result from the words that follow it ("24 clips in May." -> clips_in_may),
-    unique in the solution; step{k} when the words give none."""
-    text = after[len(result):] if after.startswith(result) else after
-    words = []
-    for token in text.split():
-        word = token.strip(",.;:!?()$%'\"")
-        if not NAME_WORD.fullmatch(word) or len(words) == 3:
-            break
-        if words or word.lower() not in LEADING:
-            words.append(word.lower())
-    name = "_".join(words) or f"step{k}"
-    if keyword.iskeyword(name) or not name.isidentifier():
-        name = f"step{k}"
-    base, n = name, 2
-    while name in used:
-        name, n = f"{base}_{n}", n + 1
-    used.add(name)
-    return name
-
-
-def chain_code(steps: list[tuple[str, str, str]]) -> str:
-    """The code of the chain: `name = expression` per step, an earlier result by its name, the last printed."""
-    if not steps:
-        raise Skip("no calculator annotation")
-    lines, known = [], []  # known: (value, name) of the results so far, newest last
-    for name, expression, result in steps:
-        try:
-            tree = ast.parse(expression, mode="eval")
-        except SyntaxError:
-            raise Skip("an annotation that is not Python") from None
-        if any(not isinstance(node, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.operator,
-                                     ast.unaryop)) for node in ast.walk(tree)):
-            raise Skip("an annotation that is not arithmetic")
-        lines.append(f"{name} = {ast.unparse(by_name(tree.body, known))}")
-        value = as_number(result)
-        if value is not None:
-            known.append((value, name))
-    return "\n".join(lines + [f"print({steps[-1][0]})"])
-
-
-def by_name(node: ast.AST, known: list) -> ast.AST:
-    """The expression with each number that an earlier step computed replaced by that step's name."""
-    class Rename(ast.NodeTransformer):
-        def visit_Constant(self, constant):
-            for value, name in reversed(known):
-                if isinstance(constant.value, (int, float)) and constant.value == value:
-                    return ast.Name(id=name, ctx=ast.Load())
-            return constant
-    return Rename().visit(node)
-
-
-def broken_code(code: str, rng: random.Random) -> str:
-    """A first call that fails: the print's parenthesis never closed, or a name never defined."""
-    head, _, last = code.rpartition("\n")
-    return f"{head}\n{last[:-1]}" if rng.random() < 0.5 else f"{head}\nprint(result)"
-
-
-def conversation(question: str, reasoning: str, calls: list[str], results: list, answer: str) -> list[dict]:
-    """The messages: the reasoning and the first call, each call's output as a tool turn (a fixed call
-    after a failing one), then what the code printed and the answer."""
-    msgs = [{"role": "user", "content": question}]
-    for i, (code, result) in enumerate(zip(calls, results)):
-        say = reasoning + "</reason>" if i == 0 else SAY_FIX
-        msgs.append({"role": "assistant", "content": say, "tool_call": {"code": code, "input": ""}})
-        msgs.append({"role": "tool", "content": format_tool_response(result)})
-    out = msgs[-1]["content"]
-    final = SAY_RESULT.format(out=out) + f"<answer>\\boxed{{{answer}}}</answer>"
-    msgs.append({"role": "assistant", "content": final})
-    return msgs
 
 
 def integer(text: str) -> str | None:
@@ -192,23 +112,14 @@ def main():
         except Skip as e:
             counts[str(e)] += 1
             continue
-        calls = [broken_code(code, rng), code] if rng.random() < args.error_share else [code]
-        plans.append((rows[i], reasoning, calls, final))
+        plans.append((rows[i], reasoning, plan_calls(code, rng, args.error_share), final))
 
-    from sandbox import Sandbox  # every call runs, so the model sees exactly what it will see in RL
-    codes = sorted({c for *_, calls, _ in plans for c in calls})
-    with Sandbox() as sandbox:
-        results = dict(zip(codes, sandbox.run_batch(codes)))
+    results = run_calls([calls for *_, calls, _ in plans])  # the model sees exactly what it sees in RL
     conversations = []
     for row, reasoning, calls, final in plans:
-        last = results[calls[-1]]
-        printed = as_number(last.stdout.strip()) if last.status == "ok" else None
-        if printed is None or as_number(final) is None or abs(printed - as_number(final)) > 1e-6:
+        if not printed_matches(results[calls[-1]], final):
             counts["the chain does not compute the final answer"] += 1
             continue
-        if len(calls) > 1 and results[calls[0]].status != "error":
-            sys.exit(f"a call meant to fail ran: {calls[0]!r}\n"
-                     f"---> HINT: broken_code must make code that fails")
         msgs = conversation(row["question"], reasoning, calls, [results[c] for c in calls], final)
         conversations.append({"messages": msgs})
 
