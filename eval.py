@@ -73,11 +73,17 @@ def get_args(argv=None):
     parser.add_argument("--filter-solved", type=int, default=0, metavar="K",
                         help="stage-3 filter: sample K per problem of --data, write those not solved K/K to "
                              "--out")
+    parser.add_argument("--min-solved", type=int, default=0, metavar="M",
+                        help="with --filter-solved K: keep only problems solved at least M times in K (a "
+                             "pass-rate band [M, K-1] of K for a stage's data)")
     parser.add_argument("--data", default=None, help="with --filter-solved: the training JSONL to filter")
     parser.add_argument("--out", default=None, help="with --filter-solved: where the unsolved problems go")
     if parser.parse_known_args(argv)[0].filter_solved:  # (4) training's sampling; explicit flags win
         parser.set_defaults(**FILTER_DEFAULTS)
     args = parser.parse_args(argv)
+    if args.min_solved and not 0 < args.min_solved < args.filter_solved:
+        parser.error(f"--min-solved {args.min_solved} needs --filter-solved K with K > {args.min_solved}\n"
+                     f"---> HINT: --filter-solved 8 --min-solved 1 keeps problems solved 1 to 7 times in 8")
     if args.filter_solved and not (args.data and args.out):
         parser.error("--filter-solved needs --data and --out\n"
                      "---> HINT: python eval.py --model runs/stage2 --filter-solved 8 --data data/rl.jsonl "
@@ -141,16 +147,17 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt(head), "  ".join("-" * w for w in width)] + [fmt(x) for x in lines])
 
 
-def select_unsolved(problems: list[dict], trajs: list, k: int) -> list[dict]:
-    """(4) The problems not solved k/k (`correct`), in order, as given; a problem with a sample the
-    sandbox failed is kept (not solved k/k as far as we know). Every problem must have k samples."""
+def select_unsolved(problems: list[dict], trajs: list, k: int, min_solved: int = 0) -> list[dict]:
+    """(4) The problems not solved k/k (`correct`) but at least min_solved times, in order, as given; a
+    problem with a sample the sandbox failed is kept (not solved k/k as far as we know), if its other
+    samples reach min_solved. Every problem must have k samples."""
     tried, solved = defaultdict(int), defaultdict(int)
     for t in trajs:
         tried[t.index] += 1
         solved[t.index] += t.correct and not t.sandbox_failed
     if any(tried[i] != k for i in range(len(problems))) or len(tried) != len(problems):
         raise ValueError(f"select_unsolved needs exactly {k} graded samples per problem")
-    return [p for i, p in enumerate(problems) if solved[i] < k]
+    return [p for i, p in enumerate(problems) if min_solved <= solved[i] < k]
 
 
 def benchmark_path(benchmark: str, eval_dir: str) -> str:
@@ -275,12 +282,13 @@ def main(argv=None, llm=None):
     # -- files (rank 0 only)
     if master and filtering:
         problems = next(iter(benchmarks.values()))
-        hard = select_unsolved(problems, trajs, n)
+        hard = select_unsolved(problems, trajs, n, args.min_solved)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in hard)
+        band = f"solved {n}/{n}" + (f" or fewer than {args.min_solved}/{n}" if args.min_solved else "")
         print(f"--filter-solved {n}: removed {len(problems) - len(hard)} of {len(problems)} problems "
-              f"(solved {n}/{n}); kept {len(hard)} -> {args.out}")
+              f"({band}); kept {len(hard)} -> {args.out}")
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "eval_config.json"), "w") as f:

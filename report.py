@@ -28,10 +28,11 @@ def paired_gain(base_folder: str, folder: str) -> tuple[float, float, int]:
     problems. Paired: the gain of each problem is taken first, so that how hard a problem is (most of
     the spread between problems) cancels; the standard error is their standard deviation / sqrt(n)."""
     base, other = per_problem(base_folder), per_problem(folder)
-    if set(base) != set(other):
+    if not (set(base) <= set(other) or set(other) <= set(base)):
         raise ValueError(f"{base_folder} and {folder} evaluated different problems: a paired gain needs the "
-                         f"same ones\n---> HINT: evaluate both with the same --benchmarks and --first")
-    gains = [other[p] - base[p] for p in base]
+                         f"same ones (or the first N of them)\n---> HINT: evaluate both with the same "
+                         f"--benchmarks, and --first")
+    gains = [other[p] - base[p] for p in base if p in other]  # (the problems both evaluated)
     return statistics.mean(gains), statistics.stdev(gains) / len(gains) ** 0.5, len(gains)
 
 
@@ -47,6 +48,7 @@ def print_table(columns: dict, n: int):
     first = next(iter(tables))
     print(f"\nheld-out problems: {tables[first]['problems']} x {n} samples, temperature 0.6\n")
     print(f"{'':32}" + "".join(f"{name:>14}" for name in tables))
+    print(f"{'problems':32}" + "".join(f"{t['problems']:14d}" for t in tables.values()))
     for label, key, scale in ROWS:
         cells = [scale * t.get(key.format(n=n), float("nan")) for t in tables.values()]
         print(f"{label.format(n=n):32}" + "".join(f"{cell:14.1f}" for cell in cells))

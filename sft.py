@@ -20,6 +20,7 @@ import math
 import os
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -245,12 +246,13 @@ def main(argv=None):
             row = dict(step=step + 1, epoch=round((step + 1) / steps_per_epoch, 4),
                        loss=nll_sum_local.item() / n_loss_tokens, lr=lr, grad_norm=grad_norm.item(),
                        n_loss_tokens=n_loss_tokens, tokens=n_tokens, padding=1 - n_tokens / n_padded,
-                       micro_batches=len(plan[0]), tokens_per_s=n_tokens / seconds, seconds=seconds)
+                       micro_batches=len(plan[0]), tokens_per_s=n_tokens / seconds, seconds=seconds,
+                       resident_gib=psutil.Process().memory_info().rss / 2**30)  # (the host's, this rank)
             tqdm.write(f"step {step + 1:5d}/{total_steps} | epoch {row['epoch']:6.3f} "
                        f"| loss {row['loss']:.4f} "
                        f"| lr {lr:.2e} | grad norm {row['grad_norm']:7.3f} | tokens {n_tokens:7d} "
                        f"(pad {row['padding']:5.1%}, {len(plan[0])} mb) | {row['tokens_per_s']:7.0f} tok/s "
-                       f"| {seconds:6.2f} s")
+                       f"| {seconds:6.2f} s | RSS {row['resident_gib']:.2f} GiB")
             metrics_file.write(json.dumps(row) + "\n")
 
     # ---- save ----

@@ -38,7 +38,8 @@ from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_eng
                     sync_weights, trainer_offloaded, wake_for_rollout)
 from grpo_roc import DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, filter_void_turns, group_advantages
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
-from rollout import add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config
+from rollout import (add_rollout_flags, collapse_alarms, drop_long_prompts, mixed_groups, read_problems,
+                     rollout_config, trajectory_metrics)
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
@@ -92,6 +93,11 @@ recipe.add_argument("--no-roc", dest="downsample", action="store_const", const="
 recipe.add_argument("--downsample-setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a setting of the down-sampler, repeatable (a JSON value, else a string), e.g. "
                          "positive_weight=roc (grpo_roc.POSITIVE_WEIGHTS)")
+recipe.add_argument("--dynamic-sampling", action="store_true",
+                    help="drop groups whose rollouts are all right or all wrong and draw more problems until "
+                         "the step holds --problems-per-step mixed groups (DAPO's dynamic sampling)")
+recipe.add_argument("--max-draws", type=int, default=4,
+                    help="with --dynamic-sampling: a step draws at most this many times --problems-per-step")
 recipe.add_argument("--eps-low", type=float, default=0.2, help="PPO clip below")
 recipe.add_argument("--eps-high", type=float, default=0.28, help="PPO clip above (Clip-Higher)")
 recipe.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant after warm-up)")
@@ -259,17 +265,40 @@ for step in range(start_step, args.steps):
     step_seed = args.seed * 1_000_003 + stream_start + step
 
     # ---- 1-2. rollouts: 2G per problem, graded and rewarded; every rank gets all their numbers ----
-    batch = stream.take(position, args.problems_per_step)
-    position += args.problems_per_step
-    cfg = rollout_config(args, seed=step_seed, kv_budget=kv_budget, eos_ids=eos_ids)
+    # With --dynamic-sampling a step draws problems again while it holds fewer mixed groups (some
+    # rollouts right, some wrong) than --problems-per-step: an all-right or all-wrong group has zero
+    # advantages and teaches nothing. Each draw's problems get their own indices, so groups stay apart.
     t0 = time.perf_counter()
-    problem_queue = ProblemQueue(key=f"{args.out_dir}/{step}", distributed=world_size > 1, group=cpu_group())
+    trajs, timing, drawn = [], defaultdict(float), 0
     with trainer_offloaded(model, optimizer, device, offload):  # (when the plan gives the engine its room)
         wake_for_rollout(llm)
-        trajs, stats = roll_out(llm.llm_engine, tokenizer, sandbox, batch, args.rollouts_per_problem, cfg,
-                                problem_queue)
+        while True:
+            batch = stream.take(position, args.problems_per_step)
+            position += args.problems_per_step
+            draw = drawn // args.problems_per_step  # (the first draw samples as a run without the flag)
+            cfg = rollout_config(args, seed=step_seed + 100_003 * draw, kv_budget=kv_budget, eos_ids=eos_ids)
+            problem_queue = ProblemQueue(key=f"{args.out_dir}/{step}/{draw}", distributed=world_size > 1,
+                                         group=cpu_group())
+            new, stats = roll_out(llm.llm_engine, tokenizer, sandbox, batch, args.rollouts_per_problem, cfg,
+                                  problem_queue)
+            for t in new:
+                t.index += drawn
+            trajs += new
+            drawn += len(batch)
+            for key in ("gen_seconds", "tool_wait_seconds"):
+                timing[key] += stats.get(key, 0.0)
+            n_mixed = len(mixed_groups(trajs))
+            if not args.dynamic_sampling or n_mixed >= args.problems_per_step or \
+                    drawn >= args.max_draws * args.problems_per_step:
+                break
         sleep(llm)
     row["rollout_seconds"] = time.perf_counter() - t0
+    stats = dict(stats, **trajectory_metrics(trajs), **timing)  # (over every draw of the step)
+    if args.dynamic_sampling:  # train the first --problems-per-step mixed groups, in the order drawn
+        keep = set(sorted(mixed_groups(trajs))[:args.problems_per_step])
+        trajs = [t for t in trajs if t.index in keep]
+    row.update(drawn_problems=drawn, mixed_groups=n_mixed,
+               mixed_share=len(mixed_groups(trajs)) / args.problems_per_step)
 
     # ---- 3. GRPO-RoC: guards, down-sampling, advantages ----
     groups = defaultdict(list)
@@ -311,7 +340,8 @@ for step in range(start_step, args.steps):
     history.append(row)
     if master:
         print(f"step {step + 1:4d}/{args.steps} | acc {row['accuracy']:.3f} | rew {row['kept_reward']:.3f} | "
-              f"drop {row['dropped_group_share']:.2f} | len {row['response_length']:6.1f} | "
+              f"drop {row['dropped_group_share']:.2f} | mixed {row['mixed_groups']}/{row['drawn_problems']} "
+              f"drawn | len {row['response_length']:6.1f} | "
               f"tools {row['tool_calls']:.2f} (err {row['tool_error_ratio']:.3f}, "
               f"pos {row['tool_error_ratio_pos']:.3f}) | loss {row['loss']:+.4f} | "
               f"gnorm {row['grad_norm']:.3f} | mismatch {row['logprob_mismatch']:.1e} | "
