@@ -78,7 +78,7 @@ REAL = {
         prepare=["data/prepare_mawps.py", "--csv", MAWPS, "--out", "data/mawps"],
         data=("train", "train", "hard"), steps=(12, 6, 4), max_response=(384, 512, 512), max_turns=(4, 4, 6),
         lr=1e-4, problems=8, rl=["--dynamic-sampling", "--max-draws", "3"], filter_min_solved=1,
-        sft=["--max-steps", "24", "--lr", "2e-4", "--max-len", "1024", "--micro-batch-tokens", "4096"],
+        sft=["--max-steps", "24", "--lr", "2e-4", "--max-len", "1280", "--micro-batch-tokens", "4096"],
         transfer=("data/gsm8k", ["data/prepare_gsm8k.py", "--out", "data/gsm8k",
                                  *(["--local", f"gsm8k={GSM8K}"] * LOCAL)], 100)),
     "arithmetic": dict(  # the toy world's problems, half of them in words ("A tank holds 7890 litres...")
