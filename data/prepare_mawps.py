@@ -62,7 +62,7 @@ def number_text(value: str) -> str:
 def detokenize(text: str) -> str:
     """Undo the word tokenization: no space before punctuation or 's, none after $ or ( ."""
     text = re.sub(r" ([.,?!;:%)])", r"\1", text)
-    text = re.sub(r" (n't|'s|'re|'ll|'ve|'m|'d)\b", r"\1", text)
+    text = re.sub(r" (n't|'t|'s|'re|'ll|'ve|'m|'d)\b", r"\1", text)
     text = re.sub(r"([$(]) (?=\S)", r"\1", text)
     return re.sub(r" ' ", "' ", text).strip()
 

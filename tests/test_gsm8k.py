@@ -1,4 +1,5 @@
-"""data/prepare_gsm8k.py: GSM8K solutions -> tool-using conversations, checked by hand on real records
+"""data/prepare_gsm8k.py and data/chains.py: GSM8K solutions -> tool-using conversations, checked by hand
+on real records
 (the first ones of GSM8K's training split), and the script end to end on a local file."""
 import json
 import os
@@ -10,10 +11,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]
 
-import prepare_gsm8k  # noqa: E402
 from conversation import (ToolCall, format_tool_response, parse_tool_call,  # noqa: E402
                           render_assistant_turn, render_messages)
-from prepare_gsm8k import Skip, chain_code, conversation, parse_solution  # noqa: E402
+from chains import Skip, broken_code, chain_code, conversation  # noqa: E402
+from prepare_gsm8k import parse_solution  # noqa: E402
 
 NATALIA = dict(question="Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
                         "in May. How many clips did Natalia sell altogether in April and May?",
@@ -65,7 +66,7 @@ def test_solutions_that_cannot_become_code_are_skipped_with_a_reason(answer, rea
 def test_the_conversation_shows_what_the_sandbox_printed_and_a_failing_call_is_fixed(sandbox, qwen3_tokenizer):
     reasoning, steps, final = parse_solution(NATALIA["answer"])
     code = chain_code(steps)
-    broken = prepare_gsm8k.broken_code(code, __import__("random").Random(0))
+    broken = broken_code(code, __import__("random").Random(0))
     results = sandbox.run_batch([broken, code])
     assert [r.status for r in results] == ["error", "ok"], "the broken call must fail and the chain must run"
     assert results[1].stdout == "72.0\n", "48 + 48 / 2 prints 72.0 in Python"

@@ -1,0 +1,105 @@
+"""data/prepare_mawps.py: MAWPS and ASDiv-A records -> questions people read and tool-using conversations,
+checked by hand on records of the SVAMP authors' training file (copied here as published), and the
+script end to end on that file when it is there."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]
+
+from chains import chain_code  # noqa: E402
+from conversation import ToolCall, parse_tool_call, render_assistant_turn  # noqa: E402
+from prepare_mawps import CSV, convert, detokenize, leaf_names, number_text  # noqa: E402
+
+BRYAN = {"Question": "Bryan took a look at his books as well . If Bryan has number0 books in each of his number1 "
+                     "bookshelves , how many books does he have in total ?",
+         "Numbers": "56.0 9.0", "Equation": "* number0 number1", "Answer": "504.0",
+         "Ques": "how many books does he have in total ?"}
+CONNER = {"Question": "Conner has number0 dollars in his bank account . Every month he spends number1 dollars . He "
+                      "does not add money to the account . How much money will Conner have in his account after "
+                      "number2 months ?",
+          "Numbers": "25000.0 1500.0 8.0", "Equation": "- number0 * number1 number2", "Answer": "13000.0",
+          "Ques": "How much money will Conner have in his account after number2 months ?"}
+DAVE = {"Question": "Dave had to wash number0 short sleeve shirts and number1 long sleeve shirts before school . If "
+                    "he had only washed number2 of them by the time school started , how many did he not wash ?",
+        "Numbers": "9.0 27.0 20.0", "Equation": "- + number0 number1 number2", "Answer": "16.0",
+        "Ques": "how many did he not wash ?"}
+KENDRA = {"Question": "Kendra made punch for her friend 's birthday party . She used number0 gallon of grape juice , "
+                      "number1 gallon of cranberry juice , and number2 gallon of club soda . How many gallons of "
+                      "punch did Kendra make ?",
+          "Numbers": "0.25 0.375 0.125", "Equation": "+ + number0 number1 number2", "Answer": "0.75",
+          "Ques": "How many gallons of punch did Kendra make ?"}
+
+
+def test_the_detokenizer_gives_the_text_people_wrote():
+    assert detokenize("how many books in total ?") == "how many books in total?"
+    assert detokenize("She spent $ 13.99 on shorts , $ 12.14 on a shirt .") == "She spent $13.99 on shorts, $12.14 on a shirt."
+    assert detokenize("cindy 's mom baked cookies ; they didn 't eat them") == "cindy's mom baked cookies; they didn't eat them"
+    assert detokenize("the students ' books ( about half ) : 20 %") == "the students' books (about half): 20%"
+    assert number_text("56.0") == "56" and number_text("10.22") == "10.22", "a whole number prints without .0"
+
+
+def test_a_one_step_problem_becomes_named_code_and_a_reasoning_that_does_not_give_the_result():
+    question, reasoning, steps, answer, operations = convert(BRYAN)
+    assert question == ("Bryan took a look at his books as well. If Bryan has 56 books in each of his 9 bookshelves, "
+                        "how many books does he have in total?")
+    assert chain_code(steps) == "books = 56\nbookshelves = 9\ntotal_books = books * bookshelves\nprint(total_books)"
+    assert (answer, operations) == ("504", 1)
+    assert "multiply" in reasoning and "56 books" in reasoning and "9 bookshelves" in reasoning
+    assert "504" not in reasoning, "the tool computes the result: the reasoning must not state it"
+
+
+def test_a_two_step_problem_computes_the_inner_operation_first_and_uses_it_by_name():
+    question, reasoning, steps, answer, operations = convert(CONNER)
+    assert question.endswith("How much money will Conner have in his account after 8 months?")
+    assert chain_code(steps) == ("dollars = 25000\ndollars_2 = 1500\nmonths = 8\nproduct = dollars_2 * months\n"
+                                 "money_left = dollars - product\nprint(money_left)")
+    assert (answer, operations) == ("13000", 2)
+    assert reasoning.index("multiply") < reasoning.index("subtract"), "the steps are said in the order computed"
+    assert "13000" not in reasoning and "12000" not in reasoning
+    code = chain_code(convert(DAVE)[2])
+    assert code.endswith("total = short_sleeve + long_sleeve\nanswer = total - washed\nprint(answer)"), \
+        "an ask without a noun ('how many did he not wash') names the result answer"
+
+
+def test_names_come_from_the_words_next_to_each_number():
+    assert leaf_names(BRYAN["Question"], BRYAN["Numbers"].split(), ["number0", "number1"]) == \
+        {"number0": "books", "number1": "bookshelves"}, "a name stops at a filler word (books in each)"
+    assert leaf_names(KENDRA["Question"], KENDRA["Numbers"].split(), ["number0", "number1", "number2"]) == \
+        {"number0": "grape_juice", "number1": "cranberry_juice", "number2": "club_soda"}, "X of Y is named Y"
+    assert leaf_names(DAVE["Question"], DAVE["Numbers"].split(), ["number2"]) == {"number2": "washed"}, \
+        "'20 of them' names nothing after the number: the word before it does"
+    names = leaf_names(CONNER["Question"], CONNER["Numbers"].split(), ["number0", "number1"])
+    assert names == {"number0": "dollars", "number1": "dollars_2"}, "names are unique in a problem"
+
+
+def test_the_call_parses_back_and_runs_to_the_answer(sandbox):
+    _, _, steps, answer, _ = convert(KENDRA)
+    code = chain_code(steps)
+    result = sandbox.run_batch([code])[0]
+    assert result.status == "ok" and float(result.stdout) == pytest.approx(0.75) and answer == "0.75"
+    msg = {"role": "assistant", "content": "r</reason>", "tool_call": {"code": code, "input": ""}}
+    assert parse_tool_call(render_assistant_turn(msg)) == ToolCall(code, "")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, CSV)), reason=f"{CSV} is not here (shared data)")
+def test_the_script_holds_out_problems_and_writes_disjoint_sets_of_integer_answers(tmp_path):
+    run = subprocess.run([sys.executable, "data/prepare_mawps.py", "--out", str(tmp_path), "--n-test", "300",
+                          "--n-sft", "200", "--error-share", "0.5"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    read = {name: [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")] for name in ("test", "train", "sft")}
+    test, train = read["test"], read["train"]
+    sft = [c["messages"][0]["content"] for c in read["sft"]]
+    assert len(test) == 300 and len(train) > 1000 and 190 <= len(sft) <= 200
+    questions = [p["question"] for p in test + train] + sft
+    assert len(set(questions)) == len(questions), "held-out, RL and SFT problems must be disjoint"
+    assert all(p["answer"].lstrip("-").isdigit() and p["steps"] >= 1 for p in test + train), \
+        "RL and held-out problems have integer answers and record their operations"
+    assert not any("number0" in q or " ?" in q for q in questions), "numbers unmasked, tokenization undone"
+    fixed = sum(len(c["messages"]) > 4 for c in read["sft"])
+    assert 0.3 < fixed / len(sft) < 0.7, "about --error-share of the conversations fix a failing first call"
