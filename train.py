@@ -288,6 +288,8 @@ for step in range(start_step, args.steps):
             for key in ("gen_seconds", "tool_wait_seconds"):
                 timing[key] += stats.get(key, 0.0)
             n_mixed = len(mixed_groups(trajs))
+            if draw == 0:
+                row["mixed_first_draw"] = n_mixed  # what a step without --dynamic-sampling would train
             if not args.dynamic_sampling or n_mixed >= args.problems_per_step or \
                     drawn >= args.max_draws * args.problems_per_step:
                 break
