@@ -463,7 +463,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     per_node = min(ranks, GPUS_PER_NODE)
     whole_batch = rollouts_per_step * rollout_tokens  # tokens, every rollout at its longest
     slots = per_node * max(1, cores_per_node // per_node - 1)  # sandbox.default_workers on every rank
-    # The trainer's host buffers are allocated once and kept (engine.trainer_offloaded), each at its
+    # The trainer's host buffers are allocated once and kept (offload.trainer_offloaded), each at its
     # exact size: registered pageable memory, not torch's pinned pool, which rounds up to a power of two.
     state = sum(_trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head).values())
     host = {"engines asleep: pinned backups": per_node * engine_host_backup(s, sleep_level),

@@ -117,7 +117,7 @@ def shard_model(model, device):
 
 def expandable_segments(on: bool) -> None:
     """The caching allocator's expandable segments: on while the trainer works (a segment grows in place:
-    reserved stays near allocated, docs/gpu.md), off while the engine is awake (engine.trainer_offloaded:
+    reserved stays near allocated, docs/gpu.md), off while the engine is awake (offload.trainer_offloaded:
     vLLM's sleep pools want plain segments). Only that field changes: torch resets every field a settings
     string leaves out (torch 2.13, c10/core/AllocatorConfig.h)."""
     current = torch._C._accelerator_getAllocatorSettings() or os.environ.get(
