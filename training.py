@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from conversation import CHAT_TEMPLATE
+from conversation import chat_template
 from lora import add_lora, base_dtype, is_lora, lora_rank, merged_weights
 
 # -----------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, late
         config.dtype = dtype                  # weights; vLLM's dtype="auto" must read the saved one
         config.save_pretrained(out_dir)
         tokenizer = copy.copy(tokenizer)
-        tokenizer.chat_template = CHAT_TEMPLATE  # apply_chat_template and `vllm serve` render our format
+        tokenizer.chat_template = chat_template()  # apply_chat_template and `vllm serve` render our format
         tokenizer.save_pretrained(out_dir)
         if latest:
             shutil.rmtree(latest, ignore_errors=True)
