@@ -44,7 +44,8 @@ class Tool:
         return list(self.spec["function"]["parameters"]["properties"])
 
 
-# The tools a run may offer, by the name --tools takes; a call names a tool by its spec's name. Every argument of these tools is a string (conversation.parse_tool_call checks it).
+# The tools a run may offer, by the name --tools takes; a call names a tool by its spec's name. Every
+# argument of these tools is a string (conversation.parse_tool_call checks it).
 TOOLS = {"python": Tool(_PYTHON_SPEC, lambda args: (args["code"], args.get("input", "")))}
 DEFAULT_TOOLS = ("python",)  # the paper's one tool
 

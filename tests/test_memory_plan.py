@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from memory_plan import (CONTEXT, CUDA_GRAPHS, ENGINE_BUFFERS, HOST_LINK_BYTES_PER_S, MARGIN, PROCESS_HOST,
-                         SANDBOX_SLOT, GiB, MiB, describe, gpu_settings, pinned_bytes, plan, weight_allocations)
+                         SANDBOX_SLOT, GiB, MiB, describe, gpu_settings, pinned_bytes, plan,
+                         weight_allocations)
 from model_shape import KNOWN, Shape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +121,7 @@ def test_a_frozen_reference_is_counted_beside_the_trainer_and_offloaded_with_it(
     term = "reference: frozen bf16 weights"
     assert {phase: terms.get(term) for phase, terms in ref.phases.items()} == dict.fromkeys(ref.phases, 388)
     for phase in ("resume", "training", "optimizer step", "sync"):
-        assert ref.peaks[phase] == off.peaks[phase] + 388, f"{phase}: the reference is counted once, no reserve"
+        assert ref.peaks[phase] == off.peaks[phase] + 388, f"{phase}: counted once, no reserve"
     # without the offload the engine's share gives the reference its room: 388 bytes less KV cache
     share = 10 * GiB - MARGIN - CONTEXT - 12 * 388 // 2
     assert ref.kv_cache == off.kv_cache - 388 and ref.memory_fraction == (share - 388) / (10 * GiB)
