@@ -60,7 +60,7 @@ def tool_call(tool: str, **arguments: str) -> dict:
                          f"{', '.join(TOOLS)}")
     required = TOOLS[tool].spec["function"]["parameters"].get("required", [])
     if set(arguments) - set(TOOLS[tool].arguments) or set(required) - set(arguments):
-        raise ValueError(f"{tool} takes the arguments {', '.join(TOOLS[tool].arguments)}, not "
+        raise ValueError(f"{tool} takes the arguments {', '.join(TOOLS[tool].arguments)}; this call gives "
                          f"{', '.join(arguments) or 'none'}\n---> HINT: give it {', '.join(required)} "
                          f"and no argument its spec does not list")
     return {"tool": tool, **{name: arguments[name] for name in TOOLS[tool].arguments if name in arguments}}
