@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 
-# The tools live in tools.py; Tool and TOOL_NAME are imported from here too by older code and forks.
+# The tools live in tools.py; rollout.py and the tests also import these names from here.
 from tools import DEFAULT_TOOLS, TOOL_NAME, TOOLS, Tool, function_call, tool_call  # noqa: F401
 
 

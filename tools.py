@@ -54,7 +54,7 @@ def tool_call(tool: str, **arguments: str) -> dict:
     """An assistant message's "tool_call" in SFT data: `tool` (a name in TOOLS) called with `arguments`,
     checked against its spec and put in the spec's order. render_messages and the chat template write it
     as the tool's function call. A "tool_call" without "tool" is the Python tool's {"code", "input"}, as
-    SFT files written before there were other tools have it."""
+    SFT files written before there were other tools have it. (No tool may name an argument "tool".)"""
     if tool not in TOOLS:
         raise ValueError(f"unknown tool {tool!r}\n---> HINT: a tool call names one of tools.TOOLS: "
                          f"{', '.join(TOOLS)}")
