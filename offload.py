@@ -1,10 +1,11 @@
 """The trainer's state in host memory while the engine rolls out, and back on the GPU for training.
 
-train.py --offload-trainer (when the memory plan says it gives the engine room enough, memory_plan.py 6)
-moves out, for the rollout's block: the trainer's fp32 shards, its buffers, AdamW's moments, and the
-parameters and buffers of any frozen modules beside it (a reference model for a KL penalty). Each tensor's
-storage is copied into a host buffer and freed on the device, then reallocated and copied back, so every
-tensor, view and DTensor keeps its identity: FSDP2's shards and the optimizer's keys stay valid.
+With train.py --offload-trainer, which the memory plan turns on where it gives the engine the room it
+needs (memory_plan.py, 6), the rollout runs with these in host memory: the trainer's fp32 shards, its
+buffers, AdamW's moments, and the parameters and buffers of frozen modules such as a reference model
+for a KL penalty. Each tensor's storage is copied into a host buffer and freed on the device, then
+reallocated and copied back, so every tensor, view and DTensor keeps its identity: FSDP2's shards and the
+optimizer's keys stay valid.
 
 Host buffers are allocated once, at their exact size, pinned once and reused every round: a fresh pinned
 page costs 20x a reused one (docs/gpu.md). A tensor's host buffer is keyed by (module, kind, index): the
@@ -19,7 +20,8 @@ import torch
 
 from training import expandable_segments
 
-# optimizer -> {key: host buffer}, kept from round to round (a new optimizer, after a reset, starts afresh)
+# Each optimizer's {key: host buffer}, kept from round to round. A new optimizer, as after a reset, gets
+# buffers of its own.
 _HOST_BUFFERS = weakref.WeakKeyDictionary()
 
 
