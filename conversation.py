@@ -135,7 +135,7 @@ def encode(tokenizer, pieces: list[str]) -> list[int]:
 def render_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of a conversation, exactly as a rollout builds them: each turn encoded on its
     own (a rollout never re-tokenizes across turns). Messages: an optional system message (default
-    SYSTEM_PROMPT), a user message, then assistant messages (which may carry a "tool_call": see tool_call)
+    SYSTEM_PROMPT), a user message, then assistant messages (which may carry a "tool_call": tools.tool_call)
     alternating with tool or further user messages. loss_mask is 1 on assistant tokens, their closing
     <|im_end|> included. CHAT_TEMPLATE renders the same text."""
     msgs = list(messages)
