@@ -8,36 +8,9 @@ call, its answer), and writing what the tool printed.
 import json
 import re
 from dataclasses import dataclass
-from typing import Callable
 
-TOOL_NAME = "execute_python_code_with_standard_io"
-
-_PYTHON_SPEC = {"type": "function", "function": {"name": TOOL_NAME,
-    "description": "Execute Python code with standard input and capture standard output. The code runs "
-                   "as a script; the input string is given to it on stdin, and whatever it prints to "
-                   "stdout is returned. If the code raises an error, the error message is returned "
-                   "instead.",
-    "parameters": {"type": "object", "properties": {
-        "code": {"type": "string", "description": "The Python code to run."},
-        "input": {"type": "string", "description": "The text given to the code on standard input."}},
-        "required": ["code", "input"]},
-    "return": {"type": "string", "description": "str: The output produced by the executed code through "
-               "standard output. If an error occurs during execution, the error message will be "
-               "returned."}}}
-
-
-@dataclass(frozen=True)
-class Tool:
-    """A tool the model may call: its function schema, as the system prompt lists it, and how a call's
-    arguments become a program for the sandbox: program(arguments) -> (code, stdin)."""
-    spec: dict
-    program: Callable[[dict], tuple[str, str]]  # a missing argument it needs raises KeyError
-
-
-# The tools a run may offer, by the name --tools takes (rollout.add_rollout_flags); a call names a tool by
-# its spec's name. Every argument of these tools is a string (parse_tool_call checks it).
-TOOLS = {"python": Tool(_PYTHON_SPEC, lambda args: (args["code"], args.get("input", "")))}
-DEFAULT_TOOLS = ("python",)  # the paper's one tool
+# The tools live in tools.py; rollout.py and the tests also import these names from here.
+from tools import DEFAULT_TOOLS, TOOL_NAME, TOOLS, Tool, function_call, tool_call  # noqa: F401
 
 
 def system_prompt(tools=DEFAULT_TOOLS) -> str:
@@ -106,7 +79,7 @@ def assistant_pieces(message: dict) -> list[str]:
     """An assistant message as sampled text: content, the optional tool call, the closing <|im_end|>."""
     pieces = [Content((message.get("content") or "").removeprefix("<reason>"))]  # data may repeat the tag
     if (call := message.get("tool_call")) is not None:
-        pieces += function_call_pieces(TOOL_NAME, {"code": call["code"], "input": call.get("input", "")})
+        pieces += function_call_pieces(*function_call(call))
     return pieces + [IM_END]
 
 
@@ -119,7 +92,8 @@ def render_tool_turn(output: str) -> str:
 
 
 def render_tool_call(code: str, stdin: str = "") -> str:
-    return "".join(function_call_pieces(TOOL_NAME, {"code": code, "input": stdin}))
+    """The Python tool's call; another tool's: render_assistant_turn of a message with its tool_call."""
+    return "".join(function_call_pieces(*function_call(tool_call("python", code=code, input=stdin))))
 
 
 def render_assistant_turn(message: dict) -> str:
@@ -161,7 +135,7 @@ def encode(tokenizer, pieces: list[str]) -> list[int]:
 def render_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of a conversation, exactly as a rollout builds them: each turn encoded on its
     own (a rollout never re-tokenizes across turns). Messages: an optional system message (default
-    SYSTEM_PROMPT), a user message, then assistant messages (which may carry "tool_call": {"code", "input"})
+    SYSTEM_PROMPT), a user message, then assistant messages (which may carry a "tool_call": tools.tool_call)
     alternating with tool or further user messages. loss_mask is 1 on assistant tokens, their closing
     <|im_end|> included. CHAT_TEMPLATE renders the same text."""
     msgs = list(messages)
@@ -185,32 +159,46 @@ def _jinja(text: str) -> str:
     return json.dumps(text)  # a JSON string is a Jinja string literal
 
 
-# The same format as a Jinja chat template, saved with every checkpoint (training.save_hf_checkpoint), so
-# that tokenizer.apply_chat_template and `vllm serve` render the text render_messages renders. The
-# "tool_call" of an assistant message is {"code", "input"}, as in render_messages. Its tokens are the same
-# where each assistant turn starts at a pre-tokenizer boundary; a tokenizer may also join "<reason>" to the
-# turn's first word when it encodes a whole conversation (Qwen3 has ">The"), which a rollout never does.
-CHAT_TEMPLATE = (
-    "{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else "
-    + _jinja(SYSTEM_PROMPT) + " -%}"
-    "{{ " + _jinja(f"{IM_START}system\n") + " + system + " + _jinja(IM_END) + " }}"
-    "{%- for m in messages if m['role'] != 'system' -%}"
-    "{%- if m['role'] == 'assistant' -%}"
-    "{{ " + _jinja(f"\n{ASSISTANT_OPEN}") + " + m['content'] }}"
-    "{%- if m.get('tool_call') -%}"
-    "{{ " + _jinja("\n<tool_call>\n") + " + ({'name': " + _jinja(TOOL_NAME) + ", 'arguments': "
-    "{'code': m['tool_call']['code'], 'input': m['tool_call'].get('input', '')}} | tojson) + "
-    + _jinja("\n</tool_call>") + " }}"
-    "{%- endif -%}"
-    "{{ " + _jinja(IM_END) + " }}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{{ " + _jinja(f"\n{IM_START}user\n<tool_response>\n") + " + m['content'] + "
-    + _jinja(f"\n</tool_response>{IM_END}") + " }}"
-    "{%- else -%}"
-    "{{ " + _jinja(f"\n{IM_START}user\n{USER_PREFIX}") + " + m['content'] + " + _jinja(IM_END) + " }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}{{ " + _jinja(f"\n{ASSISTANT_OPEN}") + " }}{% endif -%}")
+def chat_template() -> str:
+    """The same format as a Jinja chat template, saved with every checkpoint (training.save_hf_checkpoint),
+    so that tokenizer.apply_chat_template and `vllm serve` render the text render_messages renders, the
+    calls of every tool in TOOLS included. Its tokens are the same where each assistant turn starts at a
+    pre-tokenizer boundary; a tokenizer may also join "<reason>" to the turn's first word when it encodes
+    a whole conversation (Qwen3 has ">The"), which a rollout never does."""
+    # Each tool's function name and argument order, as a Jinja literal. The call's JSON is written piece
+    # by piece, because the sandboxed Jinja of transformers cannot build a dict in a given order.
+    tools = {key: {"name": tool.name, "arguments": tool.arguments} for key, tool in TOOLS.items()}
+    return (
+        "{%- set tools = " + json.dumps(tools) + " -%}"
+        "{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else "
+        + _jinja(SYSTEM_PROMPT) + " -%}"
+        "{{ " + _jinja(f"{IM_START}system\n") + " + system + " + _jinja(IM_END) + " }}"
+        "{%- for m in messages if m['role'] != 'system' -%}"
+        "{%- if m['role'] == 'assistant' -%}"
+        "{{ " + _jinja(f"\n{ASSISTANT_OPEN}") + " + m['content'] }}"
+        "{%- if m.get('tool_call') -%}"
+        "{%- set call = m['tool_call'] -%}"
+        "{%- set tool = tools[call.get('tool', 'python')] -%}"
+        "{{ " + _jinja('\n<tool_call>\n{"name": ') + " + (tool['name'] | tojson) + "
+        + _jinja(', "arguments": {') + " }}"
+        # A call without "tool" is the Python tool's, every argument written, "input" as "" if missing.
+        "{%- for name in tool['arguments'] if name in call or 'tool' not in call -%}"
+        "{{ (', ' if not loop.first else '') + (name | tojson) + ': ' + (call.get(name, '') | tojson) }}"
+        "{%- endfor -%}"
+        "{{ " + _jinja("}}\n</tool_call>") + " }}"
+        "{%- endif -%}"
+        "{{ " + _jinja(IM_END) + " }}"
+        "{%- elif m['role'] == 'tool' -%}"
+        "{{ " + _jinja(f"\n{IM_START}user\n<tool_response>\n") + " + m['content'] + "
+        + _jinja(f"\n</tool_response>{IM_END}") + " }}"
+        "{%- else -%}"
+        "{{ " + _jinja(f"\n{IM_START}user\n{USER_PREFIX}") + " + m['content'] + " + _jinja(IM_END) + " }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt %}{{ " + _jinja(f"\n{ASSISTANT_OPEN}") + " }}{% endif -%}")
+
+
+CHAT_TEMPLATE = chat_template()  # with the tools TOOLS has when this module is imported
 
 
 # -- parsing what the model wrote ---------------------------------------------
@@ -243,7 +231,7 @@ def parse_tool_call(text: str, tools=DEFAULT_TOOLS) -> ToolCall | None:
         return ToolCall(error="Failed to decode tool call: <tool_call> is not closed by </tool_call>")
     if not isinstance(call, dict):
         return ToolCall(error='Failed to decode tool call: expected a JSON object with "name" and "arguments"')
-    by_name = {TOOLS[name].spec["function"]["name"]: TOOLS[name] for name in tools}
+    by_name = {TOOLS[name].name: TOOLS[name] for name in tools}
     if call.get("name") not in by_name:
         return ToolCall(error=f"Failed to decode tool call: unknown tool {call.get('name')!r}; the tools are "
                               f"{', '.join(by_name)}")

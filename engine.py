@@ -10,16 +10,14 @@ against vllm 0.32 (what each does and why is in its docstring):
 2. sync_weights: the trainer's weights (full_weights: each FSDP2 shard cast to the engine's dtype, then
    gathered, one parameter at a time) loaded in place (`reload_weights`), the prefix cache reset.
 3. sleep / wake_for_rollout: the engine's GPU memory given to training (level 2: the weights dropped,
-   as the next sync overwrites every one of them) and taken back; and the mirror image,
-   trainer_offloaded: the trainer's state in host memory while the engine rolls out.
+   as the next sync overwrites every one of them) and taken back. The mirror image, the trainer's
+   state in host memory while the engine rolls out, is the trainer's: offload.py.
 4. kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
 5. model_eos_ids, turn_tokens: where vLLM ends a turn on its own, and a finished turn's ids and log-probs.
 On a GPU a step cycles: rollout (awake) -> sleep (weights and KV cache dropped) -> training ->
 sync_weights (the weights woken and written, nothing else) -> wake_for_rollout (the KV cache).
 """
-import contextlib
 import os
-import weakref
 
 
 def kv_bytes_per_token(model: str, dtype_bytes: int) -> int:
@@ -188,95 +186,6 @@ def wake_for_rollout(llm) -> None:
                            "sleep(llm) and wake_for_rollout(llm)")
     if asleep:
         llm.wake_up(tags=sorted(asleep))
-
-
-@contextlib.contextmanager
-def trainer_offloaded(model, optimizer, device, offload: bool = True):
-    """The trainer's fp32 shards and AdamW moments in host memory for the block, back on `device` after
-    (train.py --offload-trainer: the memory plan gives the engine that room); yields the host buffers.
-    Each tensor's storage is copied into a host buffer and freed on the device, then reallocated and
-    copied back: every tensor, view and DTensor keeps its identity (FSDP2's shards, the optimizer's
-    keys). The buffers are allocated once, at the exact size, pinned once (cudaHostRegister) and reused
-    every round, the moments' already at the first offload: a fresh pinned page costs 20x a reused one
-    (docs/gpu.md). Within one device it copies too, so a CPU run takes the same path. On every device
-    the block runs without expandable segments (training.expandable_segments: the engine wakes in it)."""
-    from training import expandable_segments
-    buffers = _HOST_BUFFERS.setdefault(optimizer, {}) if offload else {}
-    if offload:
-        _offload(_trainer_storages(model, optimizer, buffers), buffers)
-    expandable_segments(False)
-    yield list(buffers.values())
-    expandable_segments(True)
-    if offload:
-        _reload(_trainer_storages(model, optimizer, buffers), buffers)
-
-
-_HOST_BUFFERS = weakref.WeakKeyDictionary()  # optimizer -> {key: host buffer}, kept from round to round
-
-
-def _trainer_storages(model, optimizer, buffers) -> dict:
-    """{key: (device storage, nbytes)} of the weights, the model's buffers and the optimizer's tensors
-    (not AdamW's step counts); a key is a parameter's index and what the tensor is to it. The moments
-    AdamW has not made yet get their host buffers now (their size is the shard's)."""
-    import torch
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 (a DTensor's shard)
-    found = {("buffer", i): local(b) for i, b in enumerate(model.buffers())}
-    for i, param in enumerate(model.parameters()):
-        found[(i, "param")] = local(param.data)
-        state = optimizer.state.get(param, {})
-        for key in [k for k, v in state.items() if torch.is_tensor(v) and v.dim()]:
-            found[(i, key)] = local(state[key])
-        # (AdamW is an Adam; a frozen weight, LoRA's base, never gets moments: no buffers for them)
-        if not state and param.requires_grad and isinstance(optimizer, torch.optim.Adam):
-            for key in ("exp_avg", "exp_avg_sq"):
-                if (i, key) not in buffers:
-                    nbytes = found[(i, "param")].numel() * found[(i, "param")].element_size()
-                    buffers[(i, key)] = _host_buffer(nbytes, found[(i, "param")].device)
-    return {key: (t.untyped_storage(), t.untyped_storage().nbytes()) for key, t in found.items()}
-
-
-def _host_buffer(nbytes: int, source):
-    """`nbytes` of host memory, pinned where the source is a GPU: allocated pageable and registered at
-    its exact size (torch's pinned pool rounds every block up to a power of two, ATen/core/
-    CachingHostAllocator.h; torch.cuda._pin_memory_utils is torch 2.13's cudaHostRegister)."""
-    import torch
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if source.type == "cuda" and nbytes:
-        from torch.cuda._pin_memory_utils import pin_memory
-        pin_memory(buffer.data_ptr(), nbytes)
-    return buffer
-
-
-def _bytes(storage):
-    """A storage as a flat uint8 tensor over all of it."""
-    import torch
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _offload(storages: dict, buffers: dict) -> None:
-    import torch
-    for key, (storage, nbytes) in storages.items():
-        if key not in buffers or buffers[key].numel() != nbytes:
-            buffers[key] = _host_buffer(nbytes, storage.device)
-        buffers[key].copy_(_bytes(storage), non_blocking=True)
-    _synchronize()  # (every copy done before its source is freed)
-    for storage, _ in storages.values():
-        storage.resize_(0)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # (the freed blocks back to the device, for the engine)
-
-
-def _reload(storages: dict, buffers: dict) -> None:
-    for key, (storage, _) in storages.items():
-        storage.resize_(buffers[key].numel())
-        _bytes(storage).copy_(buffers[key], non_blocking=True)
-    _synchronize()  # (every copy done before the trainer reads it)
-
-
-def _synchronize() -> None:
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def kv_capacity_tokens(engine) -> int:

@@ -47,6 +47,10 @@ Every phase also pays the CUDA context and NCCL's buffers, and keeps a margin fr
    batch.ProblemQueue), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
    workers, each rank's process. (Rank 0 reads the model, 4P, at start-up, before any of these; a
    sandbox call may use up to its memory cap, 1 GiB, while it runs: not counted.)
+8. Reference (reference=True, a KL penalty to the initial policy): a frozen bf16 copy of the weights,
+   sharded as the trainer's are (2P/N), on the GPU in every phase beside the trainer's state and moved
+   to host memory with it (offload.trainer_offloaded's frozen modules). Under LoRA the reference is the
+   base with the adapters switched off, which costs nothing more.
 The engine's share goes to vLLM as gpu_memory_utilization (memory_fraction), not as the KV cache's
 bytes (kv_cache_memory_bytes): vLLM then measures its own weights, buffers, transient peak and CUDA
 graphs and sizes the KV cache to fit the share, so an estimate here that is too small shrinks the
@@ -57,6 +61,7 @@ run checklist says how to check them. The sources named are vLLM 0.32's and torc
 from dataclasses import dataclass
 
 from engine import SLEEP_LEVEL
+from model_shape import KNOWN, Shape
 
 GiB = 2**30
 MiB = 2**20
@@ -90,7 +95,7 @@ SAMPLER_TRITON_ROWS = 304  # v1/sample/ops/topk_topp_triton.py caches a (rows, V
 
 # ---- the trainer (torch 2.13) ----
 # a decoder layer's activations per token in bf16 (fp32 where the RMSNorms upcast), recomputed in its
-# backward: see Shape.layer_activation_bytes
+# backward: see model_shape.Shape.layer_activation_bytes
 LOGIT_BYTES_TRAINING = 16  # a log-prob chunk's backward per logit: the fp32 logits the log-sum-exp keeps,
 #   the gradients of the gather and of the log-sum-exp, their sum (training._chunk_logprobs)
 FINAL_HIDDEN_BYTES = 12    # per token and hidden unit: the last layer's output (2), the final norm's fp32
@@ -112,111 +117,6 @@ NUMBERS_BYTES = 1024       # a trajectory without its tokens (batch.without_payl
 SANDBOX_SLOT = (101 + 17) * MiB  # a slot's "full" and "light" workers (sandbox.py), RSS measured on a CPU;
 #   a running call may add up to its memory_mb (1 GiB by default), not counted
 PROCESS_HOST = 5 * GiB     # a rank's process: Python, torch, CUDA and NCCL libraries, vLLM: an estimate
-
-# The architectures of docs/gpu.md's table (the hub's config.json values), so it needs no download.
-KNOWN = {
-    "Qwen2.5-1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960,
-                         num_attention_heads=12, num_key_value_heads=2, head_dim=128, vocab_size=151936,
-                         tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
-                       num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
-                       tie_word_embeddings=False),
-    "Qwen3-8B": dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     tie_word_embeddings=False),
-    "Qwen3-14B": dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=17408,
-                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                      tie_word_embeddings=False),
-    "Qwen2.5-32B": dict(num_hidden_layers=64, hidden_size=5120, intermediate_size=27648,
-                        num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=152064,
-                        tie_word_embeddings=False),
-}
-
-
-@dataclass
-class Shape:
-    """What the plan needs of a model: counts, not weights."""
-    layers: int
-    hidden: int
-    mlp: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-
-    @classmethod
-    def of(cls, config) -> "Shape":
-        """From a transformers config or a dict of its fields."""
-        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-        heads = get("num_attention_heads")
-        return cls(layers=get("num_hidden_layers"), hidden=get("hidden_size"), mlp=get("intermediate_size"),
-                   heads=heads, kv_heads=get("num_key_value_heads") or heads,
-                   head_dim=get("head_dim") or get("hidden_size") // heads, vocab=get("vocab_size"),
-                   tied=bool(get("tie_word_embeddings", False)))
-
-    @property
-    def q_width(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        queries_and_output = 2 * self.hidden * self.q_width
-        keys_and_values = 2 * self.hidden * self.kv_width
-        return queries_and_output + keys_and_values + 3 * self.hidden * self.mlp + 2 * self.hidden
-
-    def adapter_params(self, rank: int) -> int:
-        """LoRA's parameters in one decoder layer, every linear layer adapted (lora.py's all-linear):
-        r x (inputs + outputs) for q, k, v, o, gate, up, down."""
-        h, q, kv, mlp = self.hidden, self.q_width, self.kv_width, self.mlp
-        return rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + mlp) + (mlp + h))
-
-    @property
-    def embedding_params(self) -> int:
-        """Embeddings and head (one matrix when tied)."""
-        return self.vocab * self.hidden * (1 if self.tied else 2)
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + self.hidden
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Keys and values of every layer, bf16."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * 2
-
-    @property
-    def layer_activation_bytes(self) -> int:
-        """Bytes per token of one decoder layer in its backward: what the recomputed forward keeps
-        (HF's Qwen3 layer; Qwen2.5 has no q/k norms, a few % over) and the gradients beside it.
-        Per hidden unit 30: two RMSNorms (fp32 input 4, bf16 product 2, output 2), the outputs of
-        o_proj and down_proj and the two residual sums (2 each), gradients of the residual stream (6).
-        Per query unit 18: q (2), its norm (8), rotary's rotated copy and result (4), attention's
-        output and o_proj's input (4). Per key/value unit 16: k and v (4), k's norm (8), rotary (4).
-        Per MLP unit 12: gate, up, their activation and product (8), two of their gradients (4)."""
-        return 30 * self.hidden + 18 * self.q_width + 16 * self.kv_width + 12 * self.mlp
-
-    @property
-    def reload_peak_bytes(self) -> int:
-        """The weight sync's transient (vllm/model_executor/model_loader/reload/layerwise.py): the
-        online loader buffers each incoming bf16 tensor of a vLLM module until the module's count is
-        complete, then _layerwise_process materialises the module on the GPU (materialize_layer),
-        loads the buffered tensors into it and copies it into the woken weights. The trainer gathers
-        each tensor in bf16 (engine.full_weights casts the shard first), into a buffer padded to
-        whole shards beside the result: 2 x module + 2 x module + 2 x last tensor, for each module kind
-        of a Qwen/Llama model (qkv_proj from q, k, v; gate_up_proj from gate, up; single tensors)."""
-        h = self.hidden
-        embeddings = self.vocab * h                                   # the embeddings, and the head
-        qkv = h * (self.q_width + 2 * self.kv_width)
-        gate_up = 2 * h * self.mlp
-        modules = [(embeddings, embeddings), (qkv, h * self.kv_width), (gate_up, h * self.mlp),
-                   (h * self.q_width, h * self.q_width), (h * self.mlp, h * self.mlp)]
-        return max(4 * size + 2 * last for size, last in modules)
-
 
 def pinned_bytes(nbytes: int) -> int:
     """The pinned host memory an allocation of `nbytes` holds: torch 2.13's caching host allocator
@@ -265,43 +165,17 @@ class Plan:
     phases: dict            # phase -> {term: bytes}; the phase's peak is their sum
     host: dict              # term -> bytes, the host memory of node 0
     memory_fraction: float  # vLLM's gpu_memory_utilization: the engine's share, CUDA graphs included
-    kv_cache: int
+    kv_cache: int           # the KV cache the plan expects vLLM to size from memory_fraction
     rollouts_at_once: int
     offload: bool
     rollouts_with_offload: dict  # {False: rollouts at once without offloading, True: with}
     offload_bytes_per_step: int  # host <-> GPU, both directions, per GPU
     offload_seconds: float       # at HOST_LINK_BYTES_PER_S
-    training: str = ""           # ", LoRA rank r" when the base is frozen
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """The KV cache the plan expects vLLM to size from memory_fraction (what the engine is given:
-        see the module's docstring)."""
-        return self.kv_cache
+    training: str = ""           # ", LoRA rank r" when the base is frozen, ", a frozen reference"
 
     @property
     def peaks(self) -> dict:
         return {phase: sum(terms.values()) for phase, terms in self.phases.items()}
-
-    @property
-    def rollout_peak(self) -> int:
-        return self.peaks["rollout"]
-
-    @property
-    def training_peak(self) -> int:
-        return self.peaks["training"]
-
-    @property
-    def optimizer_step_peak(self) -> int:
-        return self.peaks["optimizer step"]
-
-    @property
-    def sync_peak(self) -> int:
-        return self.peaks["sync"]
-
-    @property
-    def resume_peak(self) -> int:
-        return self.peaks["resume"]
 
     @property
     def host_per_node(self) -> int:
@@ -398,29 +272,42 @@ def _allocator_reserve(trainer_terms: dict) -> dict:
     return {"allocator: reserved beyond allocated": reserve}
 
 
+def _reference(s: Shape, ranks: int, reference: bool, lora_rank: int) -> dict:
+    """8. The frozen reference model's bf16 weights per GPU, sharded as the trainer's are. Under LoRA the
+    reference is the base with the adapters switched off, which the trainer holds already."""
+    if not reference or lora_rank:
+        return {}
+    return {"reference: frozen bf16 weights": 2 * s.params // ranks}
+
+
 def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tokens: int, offload: bool,
-            logprob_chunk: int, lora_rank: int = 0, lora_head: bool = False) -> tuple[dict, int]:
+            logprob_chunk: int, lora_rank: int = 0, lora_head: bool = False,
+            reference: bool = False) -> tuple[dict, int]:
     """Every phase's terms for one offload choice, and the engine's share of the GPU."""
     p = s.params
     context = {"CUDA context, NCCL": CONTEXT}
     engine, engine_asleep = _engine(s, gpu / GiB)
-    trainer_state = _trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head)
+    frozen = _reference(s, ranks, reference, lora_rank)
+    trainer_state = {**_trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head), **frozen}
     # 2. the share is what the trainer and the context leave, less the margin; the KV cache what the
     # rest of the engine leaves of it
     share = gpu - MARGIN - CONTEXT - (0 if offload else sum(trainer_state.values()))
     kv_cache = {"engine: KV cache": max(0, share - sum(engine.values()))}
     rollout = {**({} if offload else trainer_state), **context, **engine, **kv_cache}
+    # The reference is allocated once and never resized while the trainer works, so the allocator's
+    # reserve, which comes from the trainer's churn of tensors, does not grow with it.
     training = _training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk, lora_rank, lora_head)
-    training = {**training, **_allocator_reserve(training), **engine_asleep, **context}
+    training = {**training, **_allocator_reserve(training), **frozen, **engine_asleep, **context}
     step = _optimizer_step(s, ranks, lora_rank, lora_head)
-    step = {**step, **_allocator_reserve(step), **engine_asleep, **context}
+    step = {**step, **_allocator_reserve(step), **frozen, **engine_asleep, **context}
     # 1. torch/distributed/checkpoint/state_dict.py _init_optim_state: zero gradients and a step with lr 0;
     # at start-up FSDP2 moves each module of rank 0's model to the GPU whole before sharding it
     initialised = _optimizer_step(s, ranks, lora_rank, lora_head)
     dtype, weight_bytes = ("bf16", 2) if lora_rank else ("fp32", 4)  # (a LoRA base is read in bf16)
     loading = {f"trainer: {dtype} shards": weight_bytes * p // ranks,
                f"a module in full ({dtype})": weight_bytes * max(s.embedding_params, s.layer_params)}
-    resume = {**max(initialised, loading, key=lambda terms: sum(terms.values())), **engine_asleep, **context}
+    resume = {**max(initialised, loading, key=lambda terms: sum(terms.values())), **frozen, **engine_asleep,
+              **context}
     # 5. the trainer's state is still on the GPU: it offloads after the sync
     sync = {**trainer_state, "engine: bf16 weights": 2 * p, **engine_asleep,
             "reload: a module's tensors, its copy, a gather's buffer": s.reload_peak_bytes,
@@ -435,12 +322,13 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
 def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_tokens: int,
          offload: str = "auto", logprob_chunk: int = 1024, rollouts_per_step: int = 512 * 32,
          cores_per_node: int = 224, sleep_level: int = SLEEP_LEVEL, lora_rank: int = 0,
-         lora_head: bool = False) -> Plan:
+         lora_head: bool = False, reference: bool = False) -> Plan:
     """The plan for `ranks` GPUs of `gpu_gib` GiB each, training in bf16 with fp32 master weights.
     offload: "on", "off" or "auto" (see the module's docstring, 6). rollouts_per_step: the whole batch
     every rank holds (the paper's 512 problems x 32); cores_per_node: the hardware threads the sandbox
     divides (a DGX H100 has 224); sleep_level: engine.sleep's; lora_rank: train.py --lora-rank (0: full
-    fine-tuning); lora_head: the head trained in full beside the adapters (--lora-train lm_head)."""
+    fine-tuning); lora_head: the head trained in full beside the adapters (--lora-train lm_head);
+    reference: a frozen reference model for a KL penalty (the module's docstring, 8)."""
     if offload not in ("auto", "on", "off"):
         raise ValueError(f"offload={offload!r}\n---> HINT: offload_trainer is one of auto, on, off")
     s = Shape.of(config)
@@ -448,7 +336,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     tried = {}
     for choice in (False, True):
         phases, share = _phases(s, ranks, gpu, micro_batch_tokens, rollout_tokens, choice, logprob_chunk,
-                                lora_rank, lora_head)
+                                lora_rank, lora_head, reference)
         at_once = phases["rollout"]["engine: KV cache"] // (s.kv_bytes_per_token * rollout_tokens)
         tried[choice] = phases, share, at_once
     # auto: when offloading at least doubles the rollouts at once. (Offloading changes only the
@@ -463,9 +351,10 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     per_node = min(ranks, GPUS_PER_NODE)
     whole_batch = rollouts_per_step * rollout_tokens  # tokens, every rollout at its longest
     slots = per_node * max(1, cores_per_node // per_node - 1)  # sandbox.default_workers on every rank
-    # The trainer's host buffers are allocated once and kept (engine.trainer_offloaded), each at its
+    # The trainer's host buffers are allocated once and kept (offload.trainer_offloaded), each at its
     # exact size: registered pageable memory, not torch's pinned pool, which rounds up to a power of two.
     state = sum(_trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head).values())
+    state += sum(_reference(s, ranks, reference, lora_rank).values())
     host = {"engines asleep: pinned backups": per_node * engine_host_backup(s, sleep_level),
             "trainer offloaded: pinned weights, moments": per_node * state if chosen else 0,
             "trajectories: each rank's own, every one's numbers":
@@ -482,7 +371,13 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
                 rollouts_at_once=at_once, offload=chosen,
                 rollouts_with_offload={False: without, True: with_},
                 offload_bytes_per_step=moved, offload_seconds=moved / HOST_LINK_BYTES_PER_S,
-                training=f", LoRA rank {lora_rank}{' and the head' if lora_head else ''}" if lora_rank else "")
+                training=_training_label(lora_rank, lora_head, reference))
+
+
+def _training_label(lora_rank: int, lora_head: bool, reference: bool) -> str:
+    """What describe's first line says of the training beyond full fine-tuning."""
+    label = f", LoRA rank {lora_rank}{' and the head' if lora_head else ''}" if lora_rank else ""
+    return label + (", a frozen reference" if reference and not lora_rank else "")
 
 
 def _terms(terms: dict, indent: str) -> list[str]:

@@ -118,7 +118,9 @@ def tokenize_conversations(tokenizer, conversations, path, max_len):
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}:{line_number}: cannot render this conversation: {e!r}\n"
                              f"---> HINT: roles are system/user/assistant/tool; assistant messages may carry "
-                             f'"tool_call": {{"code": ..., "input": ...}}') from None
+                             f'"tool_call": {{"tool": NAME IN tools.TOOLS, ARGUMENT: VALUE, ...}} '
+                             f'(tools.tool_call), or the Python tool\'s {{"code": ..., "input": ...}}'
+                             ) from None
         if len(ids) > max_len:
             too_long.append((line_number, len(ids)))
         samples.append((ids, loss_mask))

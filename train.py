@@ -35,7 +35,8 @@ import memory_plan
 from batch import ProblemQueue, ProblemStream
 from conversation import pad_token_id, prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
-                    sync_weights, trainer_offloaded, wake_for_rollout)
+                    sync_weights, wake_for_rollout)
+from offload import trainer_offloaded
 from grpo_roc import DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, filter_void_turns, group_advantages
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
 from rollout import (add_rollout_flags, collapse_alarms, drop_long_prompts, mixed_groups, read_problems,

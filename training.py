@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from conversation import CHAT_TEMPLATE
+from conversation import chat_template
 from lora import add_lora, base_dtype, is_lora, lora_rank, merged_weights
 
 # -----------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def shard_model(model, device):
 
 def expandable_segments(on: bool) -> None:
     """The caching allocator's expandable segments: on while the trainer works (a segment grows in place:
-    reserved stays near allocated, docs/gpu.md), off while the engine is awake (engine.trainer_offloaded:
+    reserved stays near allocated, docs/gpu.md), off while the engine is awake (offload.trainer_offloaded:
     vLLM's sleep pools want plain segments). Only that field changes: torch resets every field a settings
     string leaves out (torch 2.13, c10/core/AllocatorConfig.h)."""
     current = torch._C._accelerator_getAllocatorSettings() or os.environ.get(
@@ -212,7 +212,7 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, late
         config.dtype = dtype                  # weights; vLLM's dtype="auto" must read the saved one
         config.save_pretrained(out_dir)
         tokenizer = copy.copy(tokenizer)
-        tokenizer.chat_template = CHAT_TEMPLATE  # apply_chat_template and `vllm serve` render our format
+        tokenizer.chat_template = chat_template()  # apply_chat_template and `vllm serve` render our format
         tokenizer.save_pretrained(out_dir)
         if latest:
             shutil.rmtree(latest, ignore_errors=True)

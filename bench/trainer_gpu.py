@@ -24,7 +24,7 @@ on a random-weight Qwen3 of published dims (nothing is downloaded), padded again
    2PN for old log-probs; 4PN for LoRA's training, which computes no weight gradient of the base;
    over --peak-tflops), the allocated and reserved peak beside the memory
    plan's figure for the trainer (memory_plan.plan at 1 GPU, without the engine and the context).
-5. --offload-rounds rounds of engine.trainer_offloaded: the weights and moments out to host buffers
+5. --offload-rounds rounds of offload.trainer_offloaded: the weights and moments out to host buffers
    and back, seconds and GB/s each way.
 The last line: `trainer: packed <x> tokens/s, padded <y> tokens/s: <r>x`.
 """
@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import memory_plan  # noqa: E402
-from engine import trainer_offloaded  # noqa: E402
+from offload import trainer_offloaded  # noqa: E402
 from lora import add_lora_flags, describe, lora_settings, trainable  # noqa: E402
 from grpo_roc import group_advantages, policy_loss, resample_on_correct  # noqa: E402
 from logprobs import right_pad, token_logprobs, trajectory_tensors  # noqa: E402
@@ -181,7 +181,7 @@ def show(x, width: int, spec: str = ".2f") -> str:
 
 
 def offload_rounds(model, optimizer, device) -> list[tuple[float, float, int]]:
-    """(5) (seconds out, seconds back, bytes) of each round of engine.trainer_offloaded."""
+    """(5) (seconds out, seconds back, bytes) of each round of offload.trainer_offloaded."""
     rounds = []
     for _ in range(args.offload_rounds):
         block = trainer_offloaded(model, optimizer, device)

@@ -21,7 +21,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conversation import format_tool_response  # noqa: E402
+from conversation import format_tool_response, tool_call  # noqa: E402
 from grading import as_number  # noqa: E402
 
 NAME_WORD = re.compile(r"[A-Za-z]+")
@@ -127,7 +127,8 @@ def conversation(question: str, reasoning: str, calls: list[str], results: list,
     msgs = [{"role": "user", "content": question}]
     for i, (code, result) in enumerate(zip(calls, results)):
         say = reasoning + "</reason>" if i == 0 else SAY_FIX
-        msgs.append({"role": "assistant", "content": say, "tool_call": {"code": code, "input": ""}})
+        call = tool_call("python", code=code, input="")
+        msgs.append({"role": "assistant", "content": say, "tool_call": call})
         msgs.append({"role": "tool", "content": format_tool_response(result)})
     out = msgs[-1]["content"]
     final = SAY_RESULT.format(out=out) + f"<answer>\\boxed{{{answer}}}</answer>"

@@ -23,8 +23,8 @@ How a record becomes messages (conversation.render_messages renders them):
 1. Every assistant turn opens inside <reason> (the template adds it). This data has no reasoning, so
    a final reply is "</reason><answer>REPLY</answer>"; a turn that calls a tool keeps any text before
    the call as its reasoning and closes </reason> before the call (as the toy SFT data does).
-2. Code: Magicoder's Python solution becomes a call of the single tool
-   ("tool_call": {"code": ..., "input": ""}) after the explanation that precedes it. The conversation
+2. Code: Magicoder's Python solution becomes a call of the single tool, after the explanation that
+   precedes it: "tool_call": tool_call("python", code=..., input="") (tools.py). The conversation
    ends at the call: we do not run the code, and we will not invent an output for it.
 3. Other function calls are KEPT, written as plain assistant text in the very format of the Python
    tool's call (conversation.function_call_pieces writes both:
@@ -51,8 +51,8 @@ from datasets.exceptions import DatasetsError
 import hub
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conversation import (SYSTEM_PROMPT, ToolCall, function_call_pieces, parse_tool_call,  # noqa: E402
-                          render_assistant_turn)
+from conversation import (SYSTEM_PROMPT, TOOLS, ToolCall, function_call_pieces, parse_tool_call,  # noqa: E402
+                          render_assistant_turn, tool_call)
 
 
 class Skip(Exception):
@@ -89,7 +89,7 @@ def build(steps, tools=None):
                 raise Skip("code call mixed with other calls")
             code, stdin = calls[0][1]
             msgs.append({"role": "assistant", "content": thought + "</reason>",
-                         "tool_call": {"code": code, "input": stdin}})
+                         "tool_call": tool_call("python", code=code, input=stdin)})
         elif calls:
             written = "".join("".join(function_call_pieces(name, arguments)) for _, (name, arguments) in calls)
             msgs.append({"role": "assistant", "content": thought + "</reason>" + written})
@@ -128,9 +128,12 @@ def build(steps, tools=None):
     close_turn()
     if not msgs or msgs[0]["role"] != "user" or msgs[-1]["role"] != "assistant":
         raise Skip("not user ... assistant")
-    for m in msgs:  # the tool call must parse back exactly
-        call = m.get("tool_call")
-        if call is not None and parse_tool_call(render_assistant_turn(m)) != ToolCall(call["code"], call["input"]):
+    for m in msgs:  # the tool call must parse back exactly: into the program its own arguments make
+        if (call := m.get("tool_call")) is None:
+            continue
+        arguments = {name: value for name, value in call.items() if name != "tool"}
+        program = ToolCall(*TOOLS[call["tool"]].program(arguments))
+        if parse_tool_call(render_assistant_turn(m), (call["tool"],)) != program:
             raise Skip("tool call does not round-trip")
     if tools or any(i.strip() for i in instructions):
         msgs.insert(0, {"role": "system", "content": system_prompt(tools, "\n\n".join(instructions))})

@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conversation import (CHAT_TEMPLATE, IM_END, IM_START, format_tool_response,  # noqa: E402
-                          render_assistant_turn, render_prompt, render_tool_turn)
+                          render_assistant_turn, render_prompt, render_tool_turn, tool_call)
 
 # -----------------------------------------------------------------------------
 # Arguments
@@ -168,7 +168,8 @@ for p, plan in zip(sft_problems, plans):
     else:
         for i, code in enumerate(plan):
             say = SAY_TOOL.format(expr=p["expr"]) if i == 0 else SAY_FIX
-            msgs.append({"role": "assistant", "content": say, "tool_call": {"code": code, "input": ""}})
+            call = tool_call("python", code=code, input="")
+            msgs.append({"role": "assistant", "content": say, "tool_call": call})
             msgs.append({"role": "tool", "content": format_tool_response(results[code])})
         out = msgs[-1]["content"]
         if results[plan[-1]].status != "ok" or out != p["answer"]:

@@ -230,6 +230,7 @@ def test_magicoder_code_becomes_a_python_tool_call_that_round_trips():
     assert turn["tool_call"]["code"].startswith("def fib(n):") and "print(fib(10))" in turn["tool_call"]["code"], \
         "the longest python block is the call"
     assert parse_tool_call(render_assistant_turn(turn)) == ToolCall(turn["tool_call"]["code"], ""), "the call must parse back"
+    assert turn["tool_call"]["tool"] == "python", "a call in SFT data names its tool in TOOLS"
     with pytest.raises(Skip, match="not Python"):
         prepare_sft.from_magicoder(dict(MAGICODER, lang="cpp"))
     with pytest.raises(Skip, match="no Python code block"):

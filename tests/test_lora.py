@@ -248,10 +248,10 @@ def test_a_checkpoint_of_other_trained_modules_says_what_to_do(base_dir, tmp_pat
 
 
 def test_offloading_a_lora_trainer_holds_the_base_and_the_adapters_moments_alone(base_dir):
-    """engine.trainer_offloaded's host buffers, from the first offload (before AdamW has moments): every
+    """offload.trainer_offloaded's host buffers, from the first offload (before AdamW has moments): every
     weight (the frozen base too) and two moments for each adapter weight, none for the base (at 14B on
     one GPU that would pin 59 GB of host memory the plan does not count)."""
-    from engine import trainer_offloaded
+    from offload import trainer_offloaded
     model = lora_model(base_dir)
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-2)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

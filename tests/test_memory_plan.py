@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from memory_plan import (CONTEXT, CUDA_GRAPHS, ENGINE_BUFFERS, HOST_LINK_BYTES_PER_S, KNOWN, MARGIN,
-                         PROCESS_HOST, SANDBOX_SLOT, GiB, MiB, Shape, describe, pinned_bytes, plan,
+from memory_plan import (CONTEXT, CUDA_GRAPHS, ENGINE_BUFFERS, HOST_LINK_BYTES_PER_S, MARGIN, PROCESS_HOST,
+                         SANDBOX_SLOT, GiB, MiB, describe, gpu_settings, pinned_bytes, plan,
                          weight_allocations)
+from model_shape import KNOWN, Shape
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(num_hidden_layers=2, hidden_size=4, intermediate_size=8, num_attention_heads=2,
@@ -70,8 +71,8 @@ def test_every_phase_by_hand():
         "trainer: fp32 weights, AdamW moments": 2328, "CUDA context, NCCL": CONTEXT,
         "engine: bf16 weights": 776, graphs: CUDA_GRAPHS, "engine: buffers": buffers,
         "engine: profile's transient peak": 655_360, "engine: KV cache": share - engine}
-    assert p.memory_fraction == share / gpu and p.rollout_peak == gpu - MARGIN
-    assert p.kv_cache == p.kv_cache_bytes == share - engine
+    assert p.memory_fraction == share / gpu and p.peaks["rollout"] == gpu - MARGIN
+    assert p.kv_cache == share - engine
     assert p.rollouts_at_once == (share - engine) // (16 * 1000)
     # training: the 1000-token rollout is a micro-batch alone. The peak is a layer's backward (1,127,296 +
     # the rest) over the log-prob chunks' (1,014,464: the final hidden states 12 x 1000 x 4, a chunk
@@ -86,12 +87,12 @@ def test_every_phase_by_hand():
     # (vLLM keeps the CUDA graphs on the GPU while it sleeps: sleep_mode_offload_cudagraph is off)
     asleep = CUDA_GRAPHS + buffers
     # the allocator's reserve: a tenth of the trainer's tensors (expandable segments)
-    assert p.training_peak == 1_127_296 + 112_729 + asleep + CONTEXT
+    assert p.peaks["training"] == 1_127_296 + 112_729 + asleep + CONTEXT
     # fused AdamW: weights, gradients, moments and no temporary (16P/N), and a tenth of them reserved
-    assert p.optimizer_step_peak == 16 * 388 // 2 + 310 + asleep + CONTEXT
+    assert p.peaks["optimizer step"] == 16 * 388 // 2 + 310 + asleep + CONTEXT
     # resume: the optimizer state initialised (16P/N = 3104) is more than loading (4P/N + 4 x 152 = 1384)
-    assert p.resume_peak == 3104 + asleep + CONTEXT
-    assert p.sync_peak == 2328 + 776 + asleep + 320 + CONTEXT
+    assert p.peaks["resume"] == 3104 + asleep + CONTEXT
+    assert p.peaks["sync"] == 2328 + 776 + asleep + 320 + CONTEXT
     # host, 2 GPUs on the node: 4 rollouts x 1000 tokens, each rank its own half at 90 bytes a token
     # (lists while they grow) and 1 KiB of numbers for each of the 4; sandbox: (6 // 2 - 1) slots a rank.
     # The engines sleep at level 2: only their runtime pools (ENGINE_BUFFERS, 512 MiB) in pinned memory
@@ -109,7 +110,43 @@ def test_every_phase_by_hand():
     assert on.kv_cache == p.kv_cache + 2328 and on.memory_fraction == (share + 2328) / gpu
     assert on.host["trainer offloaded: pinned weights, moments"] == 2 * 2328
     assert on.offload_bytes_per_step == 2 * 2328 and on.offload_seconds == 2 * 2328 / HOST_LINK_BYTES_PER_S
-    assert on.sync_peak == p.sync_peak, "the trainer offloads after the sync"
+    assert on.peaks["sync"] == p.peaks["sync"], "the trainer offloads after the sync"
+
+
+def test_a_frozen_reference_is_counted_beside_the_trainer_and_offloaded_with_it():
+    common = dict(ranks=2, gpu_gib=10, micro_batch_tokens=512, rollout_tokens=1000, rollouts_per_step=4,
+                  cores_per_node=6)
+    off, ref = plan(TINY, offload="off", **common), plan(TINY, offload="off", reference=True, **common)
+    # a bf16 copy of P = 388 parameters sharded over 2 GPUs: 2 x 388 / 2 = 388 bytes a GPU, in every phase
+    term = "reference: frozen bf16 weights"
+    assert {phase: terms.get(term) for phase, terms in ref.phases.items()} == dict.fromkeys(ref.phases, 388)
+    for phase in ("resume", "training", "optimizer step", "sync"):
+        assert ref.peaks[phase] == off.peaks[phase] + 388, f"{phase}: counted once, no reserve"
+    # without the offload the engine's share gives the reference its room: 388 bytes less KV cache
+    share = 10 * GiB - MARGIN - CONTEXT - 12 * 388 // 2
+    assert ref.kv_cache == off.kv_cache - 388 and ref.memory_fraction == (share - 388) / (10 * GiB)
+    assert ref.host == off.host, "nothing is offloaded, nothing more is pinned"
+    # offloaded, the reference goes to the host with the trainer's 12P/N = 2328 bytes and comes back
+    on = plan(TINY, offload="on", reference=True, **common)
+    assert term not in on.phases["rollout"] and on.phases["sync"][term] == 388
+    assert on.kv_cache == plan(TINY, offload="on", **common).kv_cache
+    assert on.host["trainer offloaded: pinned weights, moments"] == 2 * (2328 + 388)
+    assert on.offload_bytes_per_step == 2 * (2328 + 388)
+    # under LoRA the reference is the base with its adapters off: nothing more anywhere
+    lora = plan(TINY, offload="off", lora_rank=2, reference=True, **common)
+    assert lora.phases == plan(TINY, offload="off", lora_rank=2, **common).phases
+    assert "a frozen reference" in describe(ref, 2) and "reference" not in describe(off, 2)
+
+
+def test_train_py_gpu_settings_pass_the_reference_to_the_plan():
+    import torch
+    printed = []
+    settings = dict(gpu_gib=80, micro_batch_tokens=8192, rollout_tokens=10240)
+    fraction, offload = gpu_settings("auto", "off", torch.device("cuda"), "Qwen3-14B", 8, printed.append,
+                                     reference=True, **settings)
+    expected = plan(KNOWN["Qwen3-14B"], 8, offload="off", reference=True, **settings)
+    assert (fraction, offload) == (expected.memory_fraction, False)
+    assert "reference: frozen bf16 weights" in printed[0]
 
 
 def test_the_other_moments_of_the_backward_and_the_load():

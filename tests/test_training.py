@@ -402,9 +402,9 @@ def test_resuming_drops_what_was_logged_after_the_checkpoint(tmp_path):
 
 
 def test_offloading_the_trainer_around_each_rollout_trains_bit_for_bit_the_same():
-    """engine.trainer_offloaded moves the fp32 shards and AdamW moments out and back around every
+    """offload.trainer_offloaded moves the fp32 shards and AdamW moments out and back around every
     rollout (on a CPU: copies within host memory, the same code path as to pinned memory and back)."""
-    from engine import trainer_offloaded
+    from offload import trainer_offloaded
     from training import init_distributed, shard_model
     init_distributed()
     runs = []
@@ -433,7 +433,7 @@ def test_the_host_buffers_are_allocated_once_at_the_exact_size_and_reused_every_
     """The first offload (at start-up, before AdamW has moments) already allocates the moments' host
     buffers; every later round copies into the same buffers (a fresh pinned page costs 20x a reused
     one on a GPU), and they hold exactly the fp32 weights and two moments: memory_plan's 12P/N."""
-    from engine import trainer_offloaded
+    from offload import trainer_offloaded
     from training import init_distributed, shard_model
     init_distributed()
     model = shard_model(random_model(layers=2, seed=3), torch.device("cpu"))
@@ -450,11 +450,38 @@ def test_the_host_buffers_are_allocated_once_at_the_exact_size_and_reused_every_
     assert rounds[0] == rounds[1] == rounds[2], "host buffers were allocated again after the first offload"
 
 
+def test_a_frozen_reference_model_goes_to_the_host_with_the_trainer_and_comes_back_unchanged():
+    """trainer_offloaded(frozen=...) frees a frozen bf16 copy of the weights on the device for the block,
+    holds it in host buffers of its exact size beside the trainer's 12P, and puts back the same
+    tensors with the same values; the trainer trains as without it."""
+    from offload import trainer_offloaded
+    from training import init_distributed, shard_model
+    init_distributed()
+    model = shard_model(random_model(layers=2, seed=3), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference = random_model(layers=2, seed=3).to(torch.bfloat16).requires_grad_(False)
+    before = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    params = list(reference.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
+    trainer_buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    frozen_bytes = sum(t.numel() * t.element_size() for t in [*reference.parameters(), *reference.buffers()])
+    for _ in range(2):
+        with trainer_offloaded(model, optimizer, torch.device("cpu"), frozen=[reference]) as host:
+            held = sum(buffer.numel() for buffer in host)
+            moved = [p.untyped_storage().nbytes() for p in reference.parameters()]
+        trained_steps(model, optimizer, 1)
+    assert moved == [0] * len(params), "the reference's memory on the device was not freed for the engine"
+    assert held == 12 * n_params + trainer_buffers + frozen_bytes, f"{held} bytes on the host"
+    assert list(reference.parameters()) == params, "the reference's parameters must keep their identity"
+    assert all(torch.equal(p, before[name]) for name, p in reference.named_parameters()), \
+        "the reference's weights changed on their way to the host and back"
+
+
 def test_expandable_segments_are_on_for_training_and_off_while_the_engine_is_awake():
     """load_sharded_model turns them on, trainer_offloaded off for its block (the engine wakes in it)
     and on after, offloading or not; the allocator's other settings stay (torch resets what a
     settings string leaves out)."""
-    from engine import trainer_offloaded
+    from offload import trainer_offloaded
     from training import expandable_segments, init_distributed, shard_model
     before = torch._C._accelerator_getAllocatorSettings()
     init_distributed()
