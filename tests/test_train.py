@@ -165,14 +165,14 @@ def test_several_optimizer_steps_clip_and_two_ranks_train_like_one(tmp_path, toy
     assert diff < 1e-4, f"2-rank FSDP2 training ends {diff:.2e} away from 1 rank on the same batch"
 
 
-def test_no_roc_at_temperature_0_7_drops_long_prompts_and_checkpoints_the_last_step(tmp_path, toy_sft_model,
-                                                                                      toy_world):
+def test_uniform_at_temperature_0_7_drops_long_prompts_and_checkpoints_the_last_step(tmp_path, toy_sft_model,
+                                                                                       toy_world):
     lines = (toy_world / "train.jsonl").read_text().splitlines()[:40]
     too_long = json.dumps({"question": "What is " + "1" * 600 + " + 1?", "answer": "2"})  # > --max-prompt 512
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(lines + [too_long]) + "\n")
     printed = []
-    rows = train(tmp_path, toy_sft_model, data, "--steps", "1", "--no-roc", "--temperature", "0.7",
+    rows = train(tmp_path, toy_sft_model, data, "--steps", "1", "--downsample", "uniform", "--temperature", "0.7",
                  "--save-every", "10", stdout=printed)
     assert rows[0]["kept"] > 0 and (tmp_path / "final" / "model.safetensors").exists()
     assert "40 problems" in printed[0] and "dropped 1 with a prompt over 512 tokens" in printed[0]
