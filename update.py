@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_roc import loss_denominator, mismatch_correction, policy_loss
-from logprobs import (SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs,
-                      trajectory_tensors)
+from logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logprobs, trajectory_tensors
 from lora import adapters_off
 from training import plan_micro_batches
 
@@ -88,14 +87,14 @@ def policy_update(policy: Policy, kept, advantages, problem_queue) -> dict:
 
 def optimizer_step(policy: Policy, kept, advantages, micro_batches, old) -> dict:
     """One optimizer step on this rank's `micro_batches` of `kept` (lists of indices; an empty one still
-    runs a pass: FSDP needs every rank in every pass). `old`: per trajectory, the log-probs the ratio is
+    runs a pass: FSDP needs every rank in every pass). `old`: per micro-batch, the log-probs the ratio is
     against, or None in the first step (ratio 1). Returns this rank's metric sums, each / n_loss_tokens."""
     s, model, device = policy.settings, policy.model, policy.device
     n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))  # the metrics' global denominator (8)
     denominator = loss_denominator(kept)                           # the loss's (7), the same on every rank
     prefix = shared_prefix(policy, kept, micro_batches)
     sums = dict.fromkeys(METRICS, 0.0)
-    for micro_batch in micro_batches:
+    for micro_batch, old_logp in zip(micro_batches, old or [None] * len(micro_batches)):
         ref_logp = reference_logprobs(policy, kept, micro_batch)  # (B, T-1), or None without --kl-coef
         if not micro_batch:
             empty_pass(model, policy.pad_id, device)
@@ -105,10 +104,8 @@ def optimizer_step(policy: Policy, kept, advantages, micro_batches, old) -> dict
         # Packed rows; on GPUs each chunk's head is recomputed in the backward, on CPUs its logits are kept.
         logp = token_logprobs(model, input_ids, attention_mask, s.temperature, prefix=prefix,
                               recompute=device.type == "cuda", packed=True)                  # (B, T-1)
-        if old is None:
+        if old_logp is None:  # the first step: the policy before it is this one, the ratio 1
             old_logp = logp.detach()                                                        # (B, T-1)
-        else:
-            old_logp = right_pad([old[i].tolist() for i in micro_batch], 0.0).to(device)   # (B, T-1)
         adv = torch.tensor([advantages[i] for i in micro_batch], device=device)            # (B,)
         # The sampler drew these tokens, not the trainer: an optional correction (grpo_roc.py (11)).
         weights, kept_mask, stats = mismatch_correction(old_logp, sampler_logp, loss_mask, n_loss_tokens,
@@ -125,6 +122,8 @@ def optimizer_step(policy: Policy, kept, advantages, micro_batches, old) -> dict
         sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], mismatch.max().item())
     if prefix is not None:
         prefix.backward()  # the gradient every micro-batch left on the shared prefix goes through it once
+    if policy.reference is not None and policy.reference is not model:
+        policy.reference.reshard()  # FSDP keeps a root's weights gathered for a backward that never comes
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
     if kept:  # a step where every group was dropped changes nothing
         policy.optimizer.step()
@@ -136,15 +135,10 @@ def optimizer_step(policy: Policy, kept, advantages, micro_batches, old) -> dict
 
 @torch.no_grad()
 def old_logprobs(policy: Policy, kept, micro_batches) -> list[torch.Tensor | None]:
-    """The current policy's log-probs of this rank's `micro_batches` of `kept`, per trajectory and without
-    padding; None for the trajectories other ranks train."""
-    out = [None] * len(kept)
+    """The current policy's log-probs of each of this rank's `micro_batches` of `kept`, (B, T-1) as the
+    step will compute them; None for an empty micro-batch."""
     prefix = shared_prefix(policy, kept, micro_batches)
-    for micro_batch in micro_batches:
-        logp = scores(policy, policy.model, kept, micro_batch, prefix)                      # (B, T-1)
-        for row, i in enumerate(micro_batch):
-            out[i] = logp[row, :kept[i].prompt_length + kept[i].response_length - 1].cpu()
-    return out
+    return [scores(policy, policy.model, kept, micro_batch, prefix) for micro_batch in micro_batches]
 
 
 def reference_logprobs(policy: Policy, kept, micro_batch) -> torch.Tensor | None:

@@ -158,10 +158,10 @@ def test_every_downsampler_takes_the_registry_signature(name):
 
 @pytest.mark.parametrize("name", sorted(DOWNSAMPLERS))
 def test_every_downsampler_declares_its_settings_and_takes_each_by_name(name):
-    """train.py checks --downsample-setting against DOWNSAMPLER_SETTINGS: a declared setting that the function
-    swallowed into **settings would be accepted and silently do nothing."""
+    """train.py checks --downsample-setting against DOWNSAMPLER_SETTINGS: a declared setting that the
+    function swallowed into **settings would be accepted and silently do nothing."""
     import inspect
-    assert set(DOWNSAMPLER_SETTINGS) == set(DOWNSAMPLERS), "each down-sampler declares its settings, {} if none"
+    assert set(DOWNSAMPLER_SETTINGS) == set(DOWNSAMPLERS), "each down-sampler declares its settings"
     parameters = inspect.signature(DOWNSAMPLERS[name]).parameters
     for setting in DOWNSAMPLER_SETTINGS[name]:
         assert setting in parameters and parameters[setting].default is not inspect.Parameter.empty, \

@@ -59,7 +59,7 @@ def update(model, optimizer, kept, advantages, probes=(), reference=None, **chan
 
 
 def test_every_update_setting_is_a_train_py_flag_of_the_same_name_and_default():
-    """UpdateSettings.from_flags reads each field from the flag of its name; the flag's default is the field's."""
+    """UpdateSettings.from_flags reads each field from the flag of its name, whose default is the field's."""
     source = (Path(__file__).resolve().parent.parent / "train.py").read_text()
     for name in UpdateSettings.__dataclass_fields__:
         flag = "--" + name.replace("_", "-")
@@ -84,8 +84,10 @@ def test_the_update_scores_exactly_the_sampled_tokens():
     """Sampler log-probs set to the trainer's own: the mismatch must vanish (each token at its position)."""
     model, kept = tiny_model(), rollouts()
     policy = Policy(model, None, 0, torch.device("cpu"), settings(), probes=PROBES)
-    for t, logp in zip(kept, old_logprobs(policy, kept, [list(range(len(kept)))])):
-        t.logprobs = (logp[len(t.prompt_ids) - 1:].numpy() * t.loss_mask).astype(np.float32)
+    logp = old_logprobs(policy, kept, [list(range(len(kept)))])[0]                       # (B, T-1)
+    for row, t in enumerate(kept):
+        response = logp[row, len(t.prompt_ids) - 1:len(t.prompt_ids) - 1 + len(t.response_ids)]
+        t.logprobs = (response.numpy() * t.loss_mask).astype(np.float32)
     row = update(model, torch.optim.SGD(model.parameters(), lr=0.0), kept, [1.0, -1.0] * 3, PROBES)
     assert row["logprob_mismatch_max"] < 1e-5, f"trainer and sampler disagree by {row['logprob_mismatch_max']}"
 
