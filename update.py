@@ -160,7 +160,7 @@ def scores(policy: Policy, model, kept, micro_batch, prefix=None) -> torch.Tenso
     input_ids, attention_mask, _, _ = trajectory_tensors([kept[i] for i in micro_batch], policy.pad_id,
                                                          policy.device)
     return token_logprobs(model, input_ids, attention_mask, policy.settings.temperature, prefix=prefix,
-                          packed=True)                                                         # (B, T-1)
+                          recompute=False, packed=True)  # (B, T-1): no backward to recompute for
 
 
 def shared_prefix(policy: Policy, kept, micro_batches) -> SharedPrefix | None:
