@@ -95,15 +95,18 @@ def optimizer_step(policy: Policy, kept, advantages, micro_batches, old) -> dict
     prefix = shared_prefix(policy, kept, micro_batches)
     sums = dict.fromkeys(METRICS, 0.0)
     for micro_batch, old_logp in zip(micro_batches, old or [None] * len(micro_batches)):
-        ref_logp = reference_logprobs(policy, kept, micro_batch)  # (B, T-1), or None without --kl-coef
         if not micro_batch:
             empty_pass(model, policy.pad_id, device)
+            reference_logprobs(policy, kept, micro_batch)  # the reference's own empty pass
             continue
         input_ids, attention_mask, loss_mask, sampler_logp = trajectory_tensors(
             [kept[i] for i in micro_batch], policy.pad_id, device)
         # Packed rows; on GPUs each chunk's head is recomputed in the backward, on CPUs its logits are kept.
         logp = token_logprobs(model, input_ids, attention_mask, s.temperature, prefix=prefix,
                               recompute=device.type == "cuda", packed=True)                  # (B, T-1)
+        # The reference runs after the policy: FSDP sets a model up at its first pass from the parameters
+        # that train then, and under LoRA the reference is the policy with none training.
+        ref_logp = reference_logprobs(policy, kept, micro_batch)  # (B, T-1), or None without --kl-coef
         if old_logp is None:  # the first step: the policy before it is this one, the ratio 1
             old_logp = logp.detach()                                                        # (B, T-1)
         adv = torch.tensor([advantages[i] for i in micro_batch], device=device)            # (B,)

@@ -130,6 +130,22 @@ def test_lora_reference_is_the_base_with_the_adapters_off_and_no_copy(base_dir):
     assert (scores(model) - base).abs().max() > 1e-4, "leaving adapters_off must switch the adapters back on"
 
 
+@pytest.mark.parametrize("probes", [PROBES, ()], ids=["shared prefix", "whole prompts"])
+def test_the_lora_references_pass_leaves_the_policys_update_as_it_was(base_dir, probes):
+    """Switching the adapters off and on between the policy's pass and its backward must not change the
+    gradient: with beta 0, two SGD steps with the reference end where two steps without it end."""
+    weights = []
+    for with_reference in (False, True):
+        model = lora_model(base_dir)
+        optimizer = torch.optim.SGD(trainable(model), lr=1.0)
+        for _ in range(2):
+            update(model, optimizer, rollouts(), [1.0, -1.0] * 3, probes, model if with_reference else None)
+        weights.append({n: p.detach().full_tensor() for n, p in model.named_parameters() if ".lora_" in n})
+    assert all(weights[1][n].abs().max() > 0 for n in weights[1] if ".lora_B." in n), "no adapter trained"
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), f"the reference's pass changed {name}"
+
+
 def test_lora_with_a_module_trained_in_full_gets_a_frozen_copy_of_the_base(base_dir):
     """With --lora-train lm_head the head trains too: with the adapters off it would still be trained."""
     model = lora_model(base_dir, "--lora-train", "lm_head")
