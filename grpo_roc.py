@@ -152,7 +152,8 @@ def downsample_uniform(group: list[Trajectory], group_size: int, rng: random.Ran
 
 
 DOWNSAMPLERS = {"roc": resample_on_correct, "uniform": downsample_uniform}
-# Each one's settings after (group, group_size, rng): what --downsample-setting may set (defaults: its own).
+# The settings each down-sampler takes after (group, group_size, rng), which train.py's --downsample-setting
+# may set; their defaults are in the function's signature.
 DOWNSAMPLER_SETTINGS = {"roc": {"positive_weight": "a name in POSITIVE_WEIGHTS (4)"}, "uniform": {}}
 
 
@@ -193,7 +194,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.
     per_token = -torch.minimum(unclipped, clipped)                         # (B, T)
     if token_weights is not None:
         per_token = per_token * token_weights.detach()                     # (B, T)
-    ref_logp = logp.detach() if ref_logp is None else ref_logp.detach()    # (B, T) none: no penalty
+    ref_logp = logp.detach() if ref_logp is None else ref_logp.detach()    # (B, T); none, no penalty
     ref_log_ratio = torch.where(mask, ref_logp - logp, torch.zeros_like(logp))  # (B, T)
     kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0                # (B, T) (12) k3
     per_token = per_token + kl_coef * kl_ref                               # (B, T)

@@ -12,8 +12,8 @@ one dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
 
 The engine never sees an adapter: each sync and each HF export gets the merged weights under the
 base model's names (merged_weights), so vLLM, eval.py and chat.py run a plain model.
-The reference policy of train.py --kl-coef is the base: the policy with its adapters off (adapters_off),
-no second copy (reference_policy).
+The reference policy of train.py --kl-coef is the base: the policy itself with its adapters off
+(adapters_off), unless a module trains in full beside them (reference_policy).
 Checkpoints hold the adapters and their optimizer only (training.save_checkpoint leaves out frozen
 parameters: the base is the --model folder, which every run reads); training.load_checkpoint refuses
 one of another rank.
