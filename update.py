@@ -29,7 +29,7 @@ METRICS = SUMMED + ["logprob_mismatch_max", "grad_norm"]
 @dataclass(frozen=True)
 class UpdateSettings:
     """What the update reads, built once from train.py's flags of the same names, whose defaults these
-    are: a new loss option is a field here and a flag there. (N) points to grpo_roc.py's list."""
+    are: a new loss option is a field here and a flag there. Each (n) is an item of grpo_roc.py's list."""
     temperature: float = 1.0           # the sampler's: the trainer scores the same distribution
     eps_low: float = 0.2               # (7) the PPO clip below
     eps_high: float = 0.28             # (7) and above (Clip-Higher)
