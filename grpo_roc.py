@@ -18,8 +18,9 @@ What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
 6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
 7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level: the sum over masked-in
    tokens / `loss_denominator`, the step's token count over all micro-batches and ranks, so any split
-   gives one big batch's gradient (DAPO). No KL, no entropy bonus, no dual clip. With one optimizer step
-   per RL step (the paper's) the ratio is 1 and the clip never acts; it does with --mini-batches.
+   gives one big batch's gradient (DAPO). No entropy bonus, no dual clip, no KL unless (12) adds it.
+   With one optimizer step per RL step (the paper's) the ratio is 1 and the clip never acts; it does
+   with --mini-batches.
 8. Loss metrics are normalised by `n_loss_tokens`, so they add up to step-level means.
 9. Sandbox failures (always on): a rollout with `sandbox_failed` has no outcome and leaves before its
    reward is read; its group leaves too when fewer than G would remain (judged on less evidence).
@@ -28,10 +29,13 @@ What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
 11. Sampler/trainer mismatch (off by default), per loss token r = p_trainer / p_sampler: "tis" weighs by
    min(r, C); "mask" (IcePop) drops tokens with r outside [1/C, C] and weighs the others by r; "seq-mask"
    drops a rollout whose geometric-mean r is outside [1/C, C]. Dropped tokens still count (IcePop).
+12. KL to a reference policy, GRPO's term (off by default, as in rStar2-Agent): beta x k3 per kept loss
+   token, k3 = exp(ref - logp) - (ref - logp) - 1, over (7)'s denominator. (11)'s weights correct how
+   the advantage term was sampled, so they leave the penalty alone.
 
 A down-sampler (DOWNSAMPLERS) is fn(group, group_size, rng, **settings) -> (kept in the group's order,
-stats: ints to sum over groups); train.py's --downsample-setting NAME=VALUE gives it settings. A
-rollout is positive when its reward is > 0.
+stats: ints to sum over groups); it declares its settings in DOWNSAMPLER_SETTINGS, which train.py's
+--downsample-setting NAME=VALUE may set. A rollout is positive when its reward is > 0.
 """
 import math
 import random
@@ -148,6 +152,9 @@ def downsample_uniform(group: list[Trajectory], group_size: int, rng: random.Ran
 
 
 DOWNSAMPLERS = {"roc": resample_on_correct, "uniform": downsample_uniform}
+# The settings each down-sampler takes after (group, group_size, rng), which train.py's --downsample-setting
+# may set; their defaults are in the function's signature.
+DOWNSAMPLER_SETTINGS = {"roc": {"positive_weight": "a name in POSITIVE_WEIGHTS (4)"}, "uniform": {}}
 
 
 # -----------------------------------------------------------------------------
@@ -166,14 +173,16 @@ def group_advantages(rewards) -> torch.Tensor:
         return torch.zeros_like(r)                  # (6) a group of one: nothing to compare
     return (r - r.mean()) / (r.std(unbiased=True) + ADV_EPS)  # (G,)
 
-def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
-                eps_low=0.2, eps_high=0.28, token_weights=None, denominator=None):
+
+def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.2, eps_high=0.28,
+                token_weights=None, denominator=None, ref_logp=None, kl_coef=0.0):
     """(7) PPO-clip with Clip-Higher, summed over masked-in tokens / denominator (n_loss_tokens unless
     given: loss_denominator). logp (B, T) carries the gradient, old_logp (B, T) is the policy before the
     step, advantages (B,) apply to every token, loss_mask (B, T) is 1 on sampled tokens, token_weights
-    (B, T) (optional: (11)) scale each term.
+    (B, T) (optional: (11)) scale each term, ref_logp (B, T) (optional: (12)) adds kl_coef x its k3.
     Returns (loss, metrics), each a masked sum / n_loss_tokens (8): clip_frac_low (A < 0, ratio < 1 -
-    eps_low), clip_frac_high (A > 0, ratio > 1 + eps_high), ratio_mean, approx_kl (k3 of KL(old||new))."""
+    eps_low), clip_frac_high (A > 0, ratio > 1 + eps_high), ratio_mean, approx_kl (k3 of KL(old||new)),
+    kl_ref (k3 of KL(new||reference), 0 without a reference)."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
     # zero the log-ratio off the mask so padding can never make inf * 0 = nan
@@ -185,6 +194,10 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
     per_token = -torch.minimum(unclipped, clipped)                         # (B, T)
     if token_weights is not None:
         per_token = per_token * token_weights.detach()                     # (B, T)
+    ref_logp = logp.detach() if ref_logp is None else ref_logp.detach()    # (B, T); none, no penalty
+    ref_log_ratio = torch.where(mask, ref_logp - logp, torch.zeros_like(logp))  # (B, T)
+    kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0                # (B, T) (12) k3
+    per_token = per_token + kl_coef * kl_ref                               # (B, T)
     loss = (per_token * loss_mask).sum() / (denominator or n_loss_tokens)  # (7)
 
     with torch.no_grad():
@@ -197,6 +210,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens,
             "clip_frac_high": high.sum().item() / n,
             "ratio_mean": (ratio * loss_mask).sum().item() / n,
             "approx_kl": (k3 * loss_mask).sum().item() / n,
+            "kl_ref": (kl_ref * loss_mask).sum().item() / n,
         }
     return loss, metrics
 

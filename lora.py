@@ -12,11 +12,16 @@ one dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
 
 The engine never sees an adapter: each sync and each HF export gets the merged weights under the
 base model's names (merged_weights), so vLLM, eval.py and chat.py run a plain model.
+The reference policy of train.py --kl-coef is the base: the policy itself with its adapters off
+(adapters_off), unless a module trains in full beside them (reference_policy).
 Checkpoints hold the adapters and their optimizer only (training.save_checkpoint leaves out frozen
 parameters: the base is the --model folder, which every run reads); training.load_checkpoint refuses
 one of another rank.
 """
+import contextlib
+
 import torch
+import torch.distributed as dist
 
 ADAPTER = "default"  # peft's name for the one adapter
 # Peers' RL defaults (verl's and TRL's examples, "LoRA without regret"): every linear layer of the
@@ -91,6 +96,39 @@ def is_lora(model) -> bool:
 def lora_rank(model) -> int:
     """The adapters' rank; 0 for a model without."""
     return model.peft_config[ADAPTER].r if is_lora(model) else 0
+
+
+def adapters_off(model):
+    """A context in which `model` runs without its LoRA adapters, as the base it started from (peft's
+    disable_adapter); a model without LoRA runs as it is."""
+    return model.disable_adapter() if is_lora(model) else contextlib.nullcontext()
+
+
+def reference_policy(model, path: str, device):
+    """The reference of train.py --kl-coef: the run's --model as loaded, never trained. With LoRA and
+    nothing trained in full, `model` itself (update.py runs it inside adapters_off: no second copy).
+    Otherwise a frozen copy, loaded as training.load_sharded_model loads the policy (rank 0 reads it, the
+    other ranks get their shards from it), in the base's dtype: bf16 on GPUs, fp32 on CPUs."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from training import shard_model
+    if is_lora(model) and all(".lora_" in name for name, p in model.named_parameters() if p.requires_grad):
+        return model
+    dtype = base_dtype(device)
+    if dist.get_rank() == 0:
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    full_state = reference.state_dict() if dist.get_rank() == 0 else {}
+    shard_model(reference.requires_grad_(False), device)
+    if dist.get_rank() != 0:
+        reference.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(reference, full_state, options=options)
+    for buffer in reference.buffers():
+        dist.broadcast(buffer, src=0)
+    return reference.eval()
 
 
 def hf_name(name: str) -> str:

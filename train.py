@@ -20,7 +20,6 @@ Stages hand over through --init-from: the model, the optimizer (not in stage 3) 
 stream's position (the same file goes on where the earlier stage stopped; a new one starts afresh).
 """
 import argparse
-import inspect
 import json
 import os
 import random
@@ -36,20 +35,21 @@ from batch import ProblemQueue, ProblemStream
 from conversation import pad_token_id, prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, wake_for_rollout)
+from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures,
+                      filter_void_turns, group_advantages)
+from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, reference_policy
 from offload import trainer_offloaded
-from grpo_roc import DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures, filter_void_turns, group_advantages
-from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
 from rollout import (add_rollout_flags, collapse_alarms, drop_long_prompts, mixed_groups, read_problems,
                      rollout_config, trajectory_metrics)
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
                       save_checkpoint, save_hf_checkpoint, start_point)
-from update import Policy, policy_update
+from update import Policy, UpdateSettings, policy_update
 
 # -----------------------------------------------------------------------------
-# Settings. Defaults are the paper's (§4.3). A flag given on the command line always wins; below it,
-# a --preset's defaults, then a --stage's, then the defaults written here.
+# Settings: the flags with the paper's defaults (§4.3), the stages and the presets. They are resolved
+# once, in the block after the flags.
 
 STAGES = {  # paper §4.3
     1: dict(max_response=8192, max_turns=10, steps=300),
@@ -89,31 +89,35 @@ recipe.add_argument("--rollouts-per-problem", type=int, default=32, help="2G: ro
 recipe.add_argument("--group-size", type=int, default=16, help="G: rollouts kept per problem (down-sampling)")
 recipe.add_argument("--downsample", choices=sorted(DOWNSAMPLERS), default="roc",
                     help="2G -> G: roc (Resample-on-Correct) or uniform (the plain-GRPO ablation)")
-recipe.add_argument("--no-roc", dest="downsample", action="store_const", const="uniform",
-                    help="the same as --downsample uniform")
 recipe.add_argument("--downsample-setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a setting of the down-sampler, repeatable (a JSON value, else a string), e.g. "
-                         "positive_weight=roc (grpo_roc.POSITIVE_WEIGHTS)")
+                         "positive_weight=roc (each one's: grpo_roc.DOWNSAMPLER_SETTINGS)")
 recipe.add_argument("--dynamic-sampling", action="store_true",
                     help="drop groups whose rollouts are all right or all wrong and draw more problems until "
                          "the step holds --problems-per-step mixed groups (DAPO's dynamic sampling)")
 recipe.add_argument("--max-draws", type=int, default=4,
                     help="with --dynamic-sampling: a step draws at most this many times --problems-per-step")
-recipe.add_argument("--eps-low", type=float, default=0.2, help="PPO clip below")
-recipe.add_argument("--eps-high", type=float, default=0.28, help="PPO clip above (Clip-Higher)")
+recipe.add_argument("--eps-low", type=float, default=UpdateSettings.eps_low, help="PPO clip below")
+recipe.add_argument("--eps-high", type=float, default=UpdateSettings.eps_high,
+                    help="PPO clip above (Clip-Higher)")
 recipe.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant after warm-up)")
 recipe.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
 
 guards = parser.add_argument_group("guards beyond the paper (off by default; see grpo_roc.py)")
-guards.add_argument("--mismatch-correction", choices=MISMATCH_MODES, default="none",
+guards.add_argument("--mismatch-correction", choices=MISMATCH_MODES,
+                    default=UpdateSettings.mismatch_correction,
                     help="sampler/trainer mismatch: tis weights tokens by min(ratio, k); mask drops tokens "
                          "whose ratio is outside [1/k, k]; seq-mask drops whole trajectories by the "
                          "geometric mean of their ratios")
-guards.add_argument("--mismatch-threshold", type=float, default=2.0, help="k of --mismatch-correction")
+guards.add_argument("--mismatch-threshold", type=float, default=UpdateSettings.mismatch_threshold,
+                    help="k of --mismatch-correction")
+guards.add_argument("--kl-coef", type=float, default=UpdateSettings.kl_coef,
+                    help="beta of GRPO's KL penalty to --model, the initial policy (0: none, as the paper)")
 guards.add_argument("--filter-void-turns", action="store_true",
                     help="leave out trajectories with a turn that has neither a tool call nor an answer")
 
-rollouts = add_rollout_flags(parser, top_p=False, temperature=1.0, max_turns=10, max_response=8192)
+rollouts = add_rollout_flags(parser, top_p=False, temperature=UpdateSettings.temperature, max_turns=10,
+                             max_response=8192)
 rollouts.add_argument("--max-prompt", type=int, default=2048,
                       help="longest prompt in tokens (sizes the engine's context; longer ones are dropped)")
 rollouts.add_argument("--driver", choices=["scheduler", "lockstep"], default="scheduler",
@@ -124,10 +128,11 @@ rollouts.add_argument("--tool-timeout", type=float, default=5.0, help="seconds p
 
 optimization = parser.add_argument_group("optimization")
 optimization.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-optimization.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm")
-optimization.add_argument("--mini-batches", type=int, default=1,
+optimization.add_argument("--grad-clip", type=float, default=UpdateSettings.grad_clip,
+                          help="clip the global gradient norm")
+optimization.add_argument("--mini-batches", type=int, default=UpdateSettings.mini_batches,
                           help="optimizer steps per RL step (K > 1: the PPO clip acts from the second)")
-optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
+optimization.add_argument("--micro-batch-tokens", type=int, default=UpdateSettings.micro_batch_tokens,
                           help="tokens per forward pass, rows packed without padding (the memory plan "
                                "assumes it)")
 add_lora_flags(optimization)  # --lora-rank and its alpha, dropout, targets and learning-rate scale (lora.py)
@@ -145,27 +150,34 @@ infra.add_argument("--keep-checkpoints", type=int, default=3,
 infra.add_argument("--export-every", type=int, default=50, help="HF-format export every N steps and the last")
 infra.add_argument("--sample-every", type=int, default=10, help="write trajectories to samples.txt every N")
 infra.add_argument("--wandb", default="", help="a wandb project name to log to (needs wandb installed)")
-pre = parser.parse_known_args()[0]
-parser.set_defaults(**STAGES.get(pre.stage, {}))
-parser.set_defaults(**PRESETS.get(pre.preset, {}))  # (after the stage's: a preset wins over a stage)
+
+# -----------------------------------------------------------------------------
+# The settings, resolved once. Each one is its default above, unless the --stage sets it, unless the
+# --preset sets it, unless the command line gives it. `config` is the result: printed when the run
+# starts, saved with each checkpoint, logged. The down-sampler's settings (--downsample-setting NAME=VALUE,
+# a JSON value or else a string) and the update's (update.UpdateSettings) come from it, checked here,
+# before anything slow starts.
+
+given = parser.parse_known_args()[0]  # read only for --stage and --preset
+for layer in (STAGES.get(given.stage, {}), PRESETS.get(given.preset, {})):
+    parser.set_defaults(**layer)
 args = parser.parse_args()
 config = vars(args)
 
-# The down-sampler and its settings (--downsample-setting), checked before anything slow starts.
 downsample = DOWNSAMPLERS[args.downsample]
+declared = DOWNSAMPLER_SETTINGS[args.downsample]
 downsample_settings = {}
 for setting in args.downsample_setting:
     name, _, value = setting.partition("=")
+    if name not in declared:
+        raise SystemExit(f"--downsample-setting {name}: not a setting of --downsample {args.downsample}\n"
+                         f"---> HINT: its settings are {declared or 'none'}")
     try:
         downsample_settings[name] = json.loads(value)
     except json.JSONDecodeError:
-        downsample_settings[name] = value  # (a plain string)
-known = [p.name for p in list(inspect.signature(downsample).parameters.values())[3:]  # (after group, G, rng)
-         if p.kind != p.VAR_KEYWORD]
-if set(downsample_settings) - set(known):
-    raise SystemExit(f"--downsample-setting {sorted(set(downsample_settings) - set(known))}: not a setting of "
-                     f"--downsample {args.downsample}\n---> HINT: its settings are {known}")
-downsample([], args.group_size, random.Random(0), **downsample_settings)  # (a bad value fails here)
+        downsample_settings[name] = value  # a plain string
+downsample([], args.group_size, random.Random(0), **downsample_settings)  # a bad value fails here
+update_settings = UpdateSettings.from_flags(args)
 
 # -----------------------------------------------------------------------------
 # The memory plan (memory_plan.py): --plan prints it and exits; on GPUs it sets the engine's share.
@@ -173,7 +185,8 @@ downsample([], args.group_size, random.Random(0), **downsample_settings)  # (a b
 plan_settings = dict(gpu_gib=args.gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
                      rollout_tokens=args.max_prompt + args.max_response,
                      rollouts_per_step=args.problems_per_step * args.rollouts_per_problem,
-                     lora_rank=args.lora_rank, lora_head="lm_head" in args.lora_train.split(","))
+                     lora_rank=args.lora_rank, lora_head="lm_head" in args.lora_train.split(","),
+                     reference=args.kl_coef > 0)
 if args.plan:
     uncounted = [m for m in args.lora_train.split(",") if m and m != "lm_head"] if args.lora_rank else []
     if uncounted:
@@ -208,6 +221,9 @@ check_shared_dir(args.out_dir)
 model = load_sharded_model(args.model, device, activation_checkpointing=device.type == "cuda",
                            lora=lora_settings(args)).train()
 log(f"model: {describe(model)}; learning rate {peak_lr(args):.2e}")
+# With --kl-coef, the policy the penalty pulls toward: --model as loaded here, whatever checkpoint the
+# run continues (under LoRA the base itself, its adapters switched off: lora.reference_policy).
+reference = reference_policy(model, args.model, device) if args.kl_coef else None
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)
@@ -232,7 +248,8 @@ stream = ProblemStream(problems, args.seed)
 # trainer runs, its weights the trainer's (it never reads the checkpoint); a sandbox pool per rank
 # sized to its share of the node's cores. A rank whose pool cannot start raises: the job stops.
 
-with trainer_offloaded(model, optimizer, device, offload):  # (vLLM wants its whole share free at start)
+frozen = (reference,) if reference is not None and reference is not model else ()  # moved with the trainer
+with trainer_offloaded(model, optimizer, device, offload, frozen):  # vLLM wants its whole share free at start
     llm = make_engine(args.model, max_model_len=args.max_prompt + args.max_response, seed=args.seed,
                       memory_fraction=memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
                       external_launcher=world_size > 1, weights=False, rank=rank)  # (a seed per rank)
@@ -252,7 +269,8 @@ if args.wandb and master:
 # alike (the system prompt): on CPUs that runs once per micro-batch, these probes say how far.
 
 probes = [prompt_ids(tokenizer, question, args.tools) for question in ("1", "What")]
-policy = Policy(model, optimizer, pad_token_id(tokenizer), device, args, rank, world_size, probes)
+policy = Policy(model, optimizer, pad_token_id(tokenizer), device, update_settings, rank, world_size, probes,
+                reference)
 
 # -----------------------------------------------------------------------------
 # The step loop.
@@ -271,7 +289,7 @@ for step in range(start_step, args.steps):
     # advantages and teaches nothing. Each draw's problems get their own indices, so groups stay apart.
     t0 = time.perf_counter()
     trajs, timing, drawn = [], defaultdict(float), 0
-    with trainer_offloaded(model, optimizer, device, offload):  # (when the plan gives the engine its room)
+    with trainer_offloaded(model, optimizer, device, offload, frozen):  # when the plan gives the engine room
         wake_for_rollout(llm)
         while True:
             batch = stream.take(position, args.problems_per_step)
@@ -347,6 +365,7 @@ for step in range(start_step, args.steps):
               f"drawn | len {row['response_length']:6.1f} | "
               f"tools {row['tool_calls']:.2f} (err {row['tool_error_ratio']:.3f}, "
               f"pos {row['tool_error_ratio_pos']:.3f}) | loss {row['loss']:+.4f} | "
+              + (f"kl_ref {row['kl_ref']:.2e} | " if args.kl_coef else "") +
               f"gnorm {row['grad_norm']:.3f} | mismatch {row['logprob_mismatch']:.1e} | "
               f"rollout {row['rollout_seconds']:.1f}s train {row['train_seconds']:.1f}s "
               f"sync {row['sync_seconds']:.1f}s" + "".join(f"\n  ALARM (collapse?): {a}" for a in alarms))

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from grpo_roc import (DOWNSAMPLERS, PENALTY_EPS, POSITIVE_WEIGHTS, downsample_uniform, drop_sandbox_failures,
+from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, PENALTY_EPS, POSITIVE_WEIGHTS, downsample_uniform, drop_sandbox_failures,
                       filter_void_turns, format_penalty, group_advantages, loss_denominator, mismatch_correction,
                       policy_loss, resample_on_correct, roc_weight, tool_error_penalty)
 from rollout import Trajectory
@@ -154,6 +154,18 @@ def test_every_downsampler_takes_the_registry_signature(name):
         assert len(kept) == (0 if n_pos == 0 else min(4, len(group))), f"{name} did not keep G with extra settings"
         assert ids(kept) == [id(t) for t in group if id(t) in set(ids(kept))], f"{name} broke the group's order"
         assert stats["n_pos"] + stats["n_neg"] == len(kept) and stats["dropped_all_equal"] == (n_pos == 0)
+
+
+@pytest.mark.parametrize("name", sorted(DOWNSAMPLERS))
+def test_every_downsampler_declares_its_settings_and_takes_each_by_name(name):
+    """train.py checks --downsample-setting against DOWNSAMPLER_SETTINGS: a declared setting that the
+    function swallowed into **settings would be accepted and silently do nothing."""
+    import inspect
+    assert set(DOWNSAMPLER_SETTINGS) == set(DOWNSAMPLERS), "each down-sampler declares its settings"
+    parameters = inspect.signature(DOWNSAMPLERS[name]).parameters
+    for setting in DOWNSAMPLER_SETTINGS[name]:
+        assert setting in parameters and parameters[setting].default is not inspect.Parameter.empty, \
+            f"{name} declares {setting} but does not take it by name with a default"
 
 
 @pytest.mark.parametrize("name", sorted(POSITIVE_WEIGHTS))

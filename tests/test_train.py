@@ -165,20 +165,22 @@ def test_several_optimizer_steps_clip_and_two_ranks_train_like_one(tmp_path, toy
     assert diff < 1e-4, f"2-rank FSDP2 training ends {diff:.2e} away from 1 rank on the same batch"
 
 
-def test_no_roc_at_temperature_0_7_drops_long_prompts_and_checkpoints_the_last_step(tmp_path, toy_sft_model,
-                                                                                      toy_world):
+def test_uniform_at_temperature_0_7_with_a_kl_penalty_drops_long_prompts_and_checkpoints_the_last_step(
+        tmp_path, toy_sft_model, toy_world):
     lines = (toy_world / "train.jsonl").read_text().splitlines()[:40]
     too_long = json.dumps({"question": "What is " + "1" * 600 + " + 1?", "answer": "2"})  # > --max-prompt 512
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(lines + [too_long]) + "\n")
     printed = []
-    rows = train(tmp_path, toy_sft_model, data, "--steps", "1", "--no-roc", "--temperature", "0.7",
-                 "--save-every", "10", stdout=printed)
+    rows = train(tmp_path, toy_sft_model, data, "--steps", "1", "--downsample", "uniform", "--temperature", "0.7",
+                 "--kl-coef", "0.01", "--save-every", "10", stdout=printed)
     assert rows[0]["kept"] > 0 and (tmp_path / "final" / "model.safetensors").exists()
     assert "40 problems" in printed[0] and "dropped 1 with a prompt over 512 tokens" in printed[0]
     assert (tmp_path / "checkpoints" / "step_1" / "meta.json").exists(), "the last step is always checkpointed"
     assert rows[0]["logprob_mismatch_max"] < 1e-4, \
         "at temperature 0.7 the sampler's log-probs must be those the trainer computes (logits / 0.7)"
+    assert rows[0]["kl_ref"] < 1e-6 and "kl_ref" in printed[0], \
+        "the first step's policy is --model, the reference: no penalty yet, and the step line shows it"
 
 
 def test_errors_say_what_to_do(tmp_path, toy_sft_model, toy_world):

@@ -2,8 +2,8 @@
 
 train.py's step 4 is these calls; here they run on hand-made trajectories whose prompts share a
 start (like the system prompt), so the shared-prefix path and the micro-batch plan run too."""
-import argparse
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import torch
 
 from batch import ProblemQueue
 from rollout import TOKENS, Trajectory
-from update import METRICS, SUMMED, Policy, old_logprobs, policy_update
+from update import METRICS, SUMMED, Policy, UpdateSettings, old_logprobs, policy_update
 
 VOCAB, SHARED_START = 64, [1, 2, 3, 4, 5, 6]
 PROBES = [SHARED_START + [7, 8], SHARED_START + [9, 10]]
@@ -31,11 +31,9 @@ def tiny_model(seed=0):
     return Qwen3ForCausalLM(config).train()
 
 
-def settings(**changes):
-    """The update's flags, as train.py's argparse gives them (its defaults, but no gradient clipping)."""
-    flags = dict(temperature=1.0, micro_batch_tokens=4096, mini_batches=1, eps_low=0.2, eps_high=0.28,
-                 grad_clip=1e9, mismatch_correction="none", mismatch_threshold=2.0)
-    return argparse.Namespace(**dict(flags, **changes))
+def settings(**changes) -> UpdateSettings:
+    """train.py's defaults, but no gradient clipping and every row of these tests in one micro-batch."""
+    return UpdateSettings(**dict(dict(grad_clip=1e9, micro_batch_tokens=4096), **changes))
 
 
 def rollouts(n=6, seed=0):
@@ -54,9 +52,20 @@ def rollouts(n=6, seed=0):
     return trajs
 
 
-def update(model, optimizer, kept, advantages, probes=(), **changes):
-    policy = Policy(model, optimizer, 0, torch.device("cpu"), settings(**changes), probes=list(probes))
+def update(model, optimizer, kept, advantages, probes=(), reference=None, **changes):
+    policy = Policy(model, optimizer, 0, torch.device("cpu"), settings(**changes), probes=list(probes),
+                    reference=reference)
     return policy_update(policy, kept, advantages, ProblemQueue())
+
+
+def test_every_update_setting_is_a_train_py_flag_of_the_same_name_and_default():
+    """UpdateSettings.from_flags reads each field from the flag of its name, whose default is the field's."""
+    source = (Path(__file__).resolve().parent.parent / "train.py").read_text()
+    for name in UpdateSettings.__dataclass_fields__:
+        flag = "--" + name.replace("_", "-")
+        own_flag = f'"{flag}"' in source and f"default=UpdateSettings.{name}" in source
+        rollout_flag = f"{name}=UpdateSettings.{name}" in source  # --temperature: rollout.add_rollout_flags'
+        assert own_flag or rollout_flag, f"train.py needs {flag}, defaulting to UpdateSettings.{name}"
 
 
 def test_one_update_on_a_tiny_model_moves_the_weights_on_policy_and_reports_every_metric():
@@ -75,8 +84,10 @@ def test_the_update_scores_exactly_the_sampled_tokens():
     """Sampler log-probs set to the trainer's own: the mismatch must vanish (each token at its position)."""
     model, kept = tiny_model(), rollouts()
     policy = Policy(model, None, 0, torch.device("cpu"), settings(), probes=PROBES)
-    for t, logp in zip(kept, old_logprobs(policy, kept)):
-        t.logprobs = (logp[len(t.prompt_ids) - 1:].numpy() * t.loss_mask).astype(np.float32)
+    logp = old_logprobs(policy, kept, [list(range(len(kept)))])[0]                       # (B, T-1)
+    for row, t in enumerate(kept):
+        response = logp[row, len(t.prompt_ids) - 1:len(t.prompt_ids) - 1 + len(t.response_ids)]
+        t.logprobs = (response.numpy() * t.loss_mask).astype(np.float32)
     row = update(model, torch.optim.SGD(model.parameters(), lr=0.0), kept, [1.0, -1.0] * 3, PROBES)
     assert row["logprob_mismatch_max"] < 1e-5, f"trainer and sampler disagree by {row['logprob_mismatch_max']}"
 
