@@ -79,7 +79,7 @@ def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: 
     import torch
     from vllm import LLM
     # The sampler reports log-probs of the distribution it drew from (after temperature), the
-    # distribution the trainer scores (training.token_logprobs divides by the same temperature).
+    # distribution the trainer scores (logprobs.token_logprobs divides by the same temperature).
     kwargs = dict(model=model, seed=engine_seed(seed, rank), max_model_len=max_model_len,
                   enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                   load_format="auto" if weights else "dummy")

@@ -20,7 +20,7 @@ of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
    weights, gradients, moments (16P/N); the root (embeddings, head) gathered in bf16 through forward
    and backward; two decoder layers gathered; each layer's input kept (activation checkpointing),
    the padding mask. The peak is the largest of three moments of the backward:
-   a. the log-prob chunks (training.token_logprobs): the final hidden states and norm, one chunk's
+   a. the log-prob chunks (logprobs.token_logprobs): the final hidden states and norm, one chunk's
       fp32 logits and their gradients, the head's bf16 gradient and each chunk's temporary for it;
    b. a decoder layer: its activations recomputed and their gradients, its bf16 gradients and their
       fp32 copy for the reduce-scatter (FSDP2 reduces in fp32);

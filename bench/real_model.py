@@ -7,7 +7,7 @@ of one model (SmolLM2-135M-Instruct is the one the tests build), on the project'
 1. Training (first: vLLM's CPU worker takes over torch's thread count once the engine exists):
    the HF model in fp32, AdamW, micro-batches of conversations rendered by
    conversation.render_messages (up to --micro-batch-tokens tokens, padding included), each one
-   a forward, a backward through training.token_logprobs (the loss sft.py and train.py use) and an
+   a forward, a backward through logprobs.token_logprobs (the loss sft.py and train.py use) and an
    optimizer step. One warm-up step, then --train-steps timed steps per thread count. Tokens/s
    counts real tokens, not padding; peak RSS is the process's after training.
 2. Generation: one vLLM engine (engine.make_engine) whose KV cache holds the largest batch at its

@@ -1,5 +1,5 @@
-"""training.py: chunked log-probs (values, gradients, memory), the problem reader, and loading a
-model on rank 0 only under torchrun (slow)."""
+"""logprobs.py and training.py: chunked log-probs (values, gradients, memory), the problem reader, and
+loading a model on rank 0 only under torchrun (slow)."""
 import json
 import os
 import subprocess

@@ -1,0 +1,62 @@
+"""The README and docs/*.md cite code as `file.name` (a module's function, class or constant) or
+`file.Class.method`; each such name must exist in that file, so a rename or a move shows up here."""
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {p.stem: p for p in ROOT.glob("*.py")}
+CITATION = re.compile(r"`(\w+)\.(\w+)(?:\.(\w+))?")
+
+
+def top_level_names(path: Path) -> dict[str, set[str]]:
+    """name -> its methods (empty unless a class), for each top-level def, class and assignment."""
+    names = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = set()
+        elif isinstance(node, ast.ClassDef):
+            names[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            names[node.name] |= {n.target.id for n in node.body
+                                 if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        names[name.id] = set()
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names[(alias.asname or alias.name).split(".")[0]] = set()
+    return names
+
+
+def citations(text: str):
+    """(module, name, method or None) for each backticked `module.name` whose module is one of ours."""
+    for module, name, method in CITATION.findall(text):
+        if module in MODULES and name != "py":
+            yield module, name, method or None
+
+
+def missing_citations(text: str) -> list[str]:
+    missing = []
+    for module, name, method in citations(text):
+        names = top_level_names(MODULES[module])
+        if name not in names:
+            missing.append(f"{module}.{name}")
+        elif method and names[name] and method not in names[name]:
+            missing.append(f"{module}.{name}.{method}")
+    return missing
+
+
+def test_the_checker_catches_a_name_that_moved():
+    assert missing_citations("`logprobs.token_logprobs` and `update.UpdateSettings`") == []
+    assert missing_citations("`training.token_logprobs`, `grpo_roc.py`, `numpy.zeros`") == ["training.token_logprobs"]
+    assert missing_citations("`update.UpdateSettings.no_such_field`") == ["update.UpdateSettings.no_such_field"]
+
+
+def test_every_code_name_the_readme_and_docs_cite_exists():
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        missing = missing_citations(doc.read_text())
+        assert not missing, f"{doc.relative_to(ROOT)} cites names its files do not have: {missing}\n" \
+                            "---> HINT: cite the file where the name lives today"
