@@ -1,29 +1,28 @@
 """GRPO-RoC: Resample-on-Correct down-sampling, group advantages, the clipped loss, and its guards.
 
-What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
+What this file does (paper §2.2.3, Eq. 4-7) and where it departs from the paper
+(docs/paper_differences.md also compares it with the official code):
 
 1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5 without a call (to
-   encourage tool use), from the structured `tool_failures` (error, timeout, oom, parse; the official
-   code searches each <tool_response> for "error"). p_format = 1 without an <answer>, else
-   min(1, (#answers - 1) / #turns), counting every assistant turn (the official code misses the first).
+   encourage tool use), counted from the sandbox's status, not the output's text. p_format = 1 without
+   an <answer>, else min(1, (#answers - 1) / #turns), counting every assistant turn.
 2. Groups whose rewards are all equal are dropped: zero advantages, no gradient. No refill.
-3. Negatives: floor(|neg| / 2) kept uniformly at random, as in the paper, but at least one (the
-   paper's floor keeps none of a single negative: a wasted all-correct group). The official code
-   keeps the first k in rollout order, at least 2.
+3. Negatives (reward <= 0): floor(|neg| / 2) kept uniformly at random, but at least one: the paper's
+   floor keeps none of a single negative, and the group would then be all correct and wasted.
 4. Positives fill the rest of G, drawn without replacement with probability proportional to
-   1 / (p_total + 1e-3) (POSITIVE_WEIGHTS), as in the paper (the official code takes the lowest p_total
-   first). Short of positives, negatives fill G; a group of at most G is kept whole (`short_group` if < G).
+   1 / (p_total + 1e-3) (POSITIVE_WEIGHTS). Short of positives, negatives fill G; a group of at most G is
+   kept whole (`short_group` if < G).
 5. `downsample_uniform`, the "GRPO with tool" ablation at equal compute: (2), then G of the 2G
    uniformly (an all-equal subset is kept, as GRPO would).
 6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
-7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level: the sum over masked-in
-   tokens / `loss_denominator`, the step's token count over all micro-batches and ranks, so any split
-   gives one big batch's gradient (DAPO). No entropy bonus, no dual clip, no KL unless (12) adds it.
-   With one optimizer step per RL step (the paper's) the ratio is 1 and the clip never acts; it does
-   with --mini-batches.
+7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level as in DAPO: any split into
+   micro-batches and ranks gives one big batch's gradient. No entropy bonus, no dual clip, no KL unless
+   (12) adds it. With one optimizer step per RL step (--mini-batches 1, the default, as in the paper)
+   the ratio is 1 and the clip never acts; it acts only with --mini-batches > 1. The old log-probs are
+   the trainer's own, so the sampler's mismatch never enters the ratio; (11) weighs tokens for it.
 8. Loss metrics are normalised by `n_loss_tokens`, so they add up to step-level means.
-9. Sandbox failures (always on): a rollout with `sandbox_failed` has no outcome and leaves before its
-   reward is read; its group leaves too when fewer than G would remain (judged on less evidence).
+9. Sandbox failures (always on): such a rollout has no outcome and leaves before its reward is read;
+   its group leaves too when fewer than G would remain, since it would be judged on less evidence.
 10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended with
    neither a tool call nor an answer leaves before (2).
 11. Sampler/trainer mismatch (off by default), per loss token r = p_trainer / p_sampler: "tis" weighs by
@@ -32,10 +31,6 @@ What this file does (paper §2.2.3, Eq. 4-7), and where it departs:
 12. KL to a reference policy, GRPO's term (off by default, as in rStar2-Agent): beta x k3 per kept loss
    token, k3 = exp(ref - logp) - (ref - logp) - 1, over (7)'s denominator. (11)'s weights correct how
    the advantage term was sampled, so they leave the penalty alone.
-
-A down-sampler (DOWNSAMPLERS) is fn(group, group_size, rng, **settings) -> (kept in the group's order,
-stats: ints to sum over groups); it declares its settings in DOWNSAMPLER_SETTINGS, which train.py's
---downsample-setting NAME=VALUE may set. A rollout is positive when its reward is > 0.
 """
 import math
 import random
@@ -45,7 +40,7 @@ import torch
 from rollout import Trajectory
 
 PENALTY_EPS = 1e-3   # (4) keeps 1 / p_total finite for a flawless rollout
-ADV_EPS = 1e-6       # (6) verl's epsilon in the std denominator
+ADV_EPS = 1e-6       # (6) verl's value
 
 
 # -----------------------------------------------------------------------------
@@ -70,15 +65,15 @@ def roc_weight(traj: Trajectory) -> float:
     return 1.0 / (tool_error_penalty(traj) + format_penalty(traj) + PENALTY_EPS)
 
 
-POSITIVE_WEIGHTS = {"roc": roc_weight}  # (4) by the name resample_on_correct's positive_weight takes
+POSITIVE_WEIGHTS = {"roc": roc_weight}  # (4) resample_on_correct's positive_weight names one
 
 
 # -----------------------------------------------------------------------------
 # (2)-(5), (9)-(10): the rollouts that leave a problem's pool, then down-sampling 2G of them to G
 
 def drop_sandbox_failures(group: list[Trajectory], group_size: int):
-    """(9) The group without its sandbox-failed rollouts, or [] when fewer than G would remain
-    (a group short from the start, with no failure, is left to (4)). Returns (kept, n_failed)."""
+    """(9) The group without its sandbox-failed rollouts, or [] when fewer than G would remain.
+    A group that was short before any failure is left to (4). Returns (kept, n_failed)."""
     kept = [t for t in group if not t.sandbox_failed]
     n_failed = len(group) - len(kept)
     return ([] if n_failed and len(kept) < group_size else kept), n_failed
@@ -108,11 +103,11 @@ def _weighted_sample(items, weights, k, rng):
 def _prefilter(group, group_size):
     """(2) and the short-group rule of (4), for both down-samplers: (kept, stats) if decided, else None."""
     if not group:
-        return [], _stats()                                # emptied by (9) or (10): not all-equal
+        return [], _stats()  # (9) or (10) emptied it; an empty group is not an all-equal one
     if len({t.reward for t in group}) <= 1:
-        return [], _stats(dropped=1)                       # (2)
+        return [], _stats(dropped=1)
     if len(group) <= group_size:
-        return list(group), _stats(short=int(len(group) < group_size), kept=group)  # (4)
+        return list(group), _stats(short=int(len(group) < group_size), kept=group)
     return None
 
 
@@ -123,8 +118,8 @@ def _in_order(group, chosen):
 
 def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Random,
                         positive_weight: str = "roc", **settings):
-    """GRPO-RoC down-sampling of one problem's rollouts to `group_size`. positive_weight: the name in
-    POSITIVE_WEIGHTS of a positive's weight in the draw, 1 / (p_total + eps) by default (4)."""
+    """GRPO-RoC down-sampling of one problem's rollouts to `group_size`; positive_weight names the
+    positives' weight in POSITIVE_WEIGHTS (4)."""
     if positive_weight not in POSITIVE_WEIGHTS:
         raise ValueError(f"unknown positive_weight {positive_weight!r}\n---> HINT: {sorted(POSITIVE_WEIGHTS)}")
     decided = _prefilter(group, group_size)
@@ -132,18 +127,18 @@ def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Ra
         return decided
     pos = [t for t in group if t.reward > 0]
     neg = [t for t in group if t.reward <= 0]
-    n_neg = min(max(1, len(neg) // 2), group_size - 1)      # (3) at least one, room for a positive
-    n_pos = min(len(pos), group_size - n_neg)               # (4) positives fill the rest
-    n_neg = min(len(neg), group_size - n_pos)               # (4) top up with negatives if short
-    kept_neg = rng.sample(neg, n_neg)                       # (3) uniform
+    n_neg = min(max(1, len(neg) // 2), group_size - 1)      # (3) leaves room for a positive
+    n_pos = min(len(pos), group_size - n_neg)               # (4)
+    n_neg = min(len(neg), group_size - n_pos)               # (4) short of positives, negatives fill G
+    kept_neg = rng.sample(neg, n_neg)                       # (3)
     weights = [POSITIVE_WEIGHTS[positive_weight](t) for t in pos]
-    kept_pos = _weighted_sample(pos, weights, n_pos, rng)   # (4) prob ~ 1 / p_total
+    kept_pos = _weighted_sample(pos, weights, n_pos, rng)   # (4)
     kept = _in_order(group, kept_neg + kept_pos)
     return kept, _stats(kept=kept)
 
 
 def downsample_uniform(group: list[Trajectory], group_size: int, rng: random.Random, **settings):
-    """(5) The no-RoC ablation: same all-equal drop, then G uniformly."""
+    """(5) The ablation without RoC."""
     decided = _prefilter(group, group_size)
     if decided is not None:
         return decided
@@ -151,9 +146,10 @@ def downsample_uniform(group: list[Trajectory], group_size: int, rng: random.Ran
     return kept, _stats(kept=kept)
 
 
+# A down-sampler is fn(group, group_size, rng, **settings) -> (kept in the group's order, stats that add
+# up over groups). Its settings, which train.py's --downsample-setting sets, are declared here and
+# defaulted in its signature.
 DOWNSAMPLERS = {"roc": resample_on_correct, "uniform": downsample_uniform}
-# The settings each down-sampler takes after (group, group_size, rng), which train.py's --downsample-setting
-# may set; their defaults are in the function's signature.
 DOWNSAMPLER_SETTINGS = {"roc": {"positive_weight": "a name in POSITIVE_WEIGHTS (4)"}, "uniform": {}}
 
 
@@ -161,31 +157,29 @@ DOWNSAMPLER_SETTINGS = {"roc": {"positive_weight": "a name in POSITIVE_WEIGHTS (
 # (6)-(8) group advantages and the clipped token-level policy loss
 
 def loss_denominator(kept: list[Trajectory]) -> int:
-    """(7) What the step's summed token losses are divided by, the same in every micro-batch and on every
-    rank: its loss tokens (a token-level mean, DAPO's; the metrics are per loss token whatever this is)."""
+    """(7) The step's loss tokens, which every micro-batch on every rank divides its summed token losses
+    by, so the loss is DAPO's token-level mean. The metrics stay per loss token whatever this returns."""
     return max(1, sum(t.num_loss_tokens for t in kept))
 
 
 def group_advantages(rewards) -> torch.Tensor:
-    """(r - mean) / (std + 1e-6) over one kept group, unbiased std; (G,)."""
+    """(6) Advantages of one kept group; (G,)."""
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()  # (G,)
     if r.numel() < 2:
-        return torch.zeros_like(r)                  # (6) a group of one: nothing to compare
+        return torch.zeros_like(r)  # a group of one has nothing to be compared with
     return (r - r.mean()) / (r.std(unbiased=True) + ADV_EPS)  # (G,)
 
 
 def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.2, eps_high=0.28,
                 token_weights=None, denominator=None, ref_logp=None, kl_coef=0.0):
-    """(7) PPO-clip with Clip-Higher, summed over masked-in tokens / denominator (n_loss_tokens unless
-    given: loss_denominator). logp (B, T) carries the gradient, old_logp (B, T) is the policy before the
-    step, advantages (B,) apply to every token, loss_mask (B, T) is 1 on sampled tokens, token_weights
-    (B, T) (optional: (11)) scale each term, ref_logp (B, T) (optional: (12)) adds kl_coef x its k3.
-    Returns (loss, metrics), each a masked sum / n_loss_tokens (8): clip_frac_low (A < 0, ratio < 1 -
-    eps_low), clip_frac_high (A > 0, ratio > 1 + eps_high), ratio_mean, approx_kl (k3 of KL(old||new)),
-    kl_ref (k3 of KL(new||reference), 0 without a reference)."""
+    """(7) PPO-clip with Clip-Higher, the masked sum over tokens divided by `denominator` (default
+    n_loss_tokens). Only logp (B, T) carries the gradient; each rollout's advantage (B,) applies to all its
+    tokens; token_weights (B, T) are (11)'s; ref_logp (B, T) adds (12). Returns (loss, metrics), each
+    metric a masked sum / n_loss_tokens (8): the clipped shares, ratio_mean, approx_kl (k3 of the step's
+    own KL to old_logp) and kl_ref (k3 to the reference, 0 without one)."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
-    # zero the log-ratio off the mask so padding can never make inf * 0 = nan
+    # Padding could make inf * 0 = nan, so the log-ratio is zero off the mask.
     log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))  # (B, T)
     ratio = torch.exp(log_ratio)                                           # (B, T)
     adv = advantages.detach().to(logp.dtype).unsqueeze(1)                  # (B, 1)
@@ -194,7 +188,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.
     per_token = -torch.minimum(unclipped, clipped)                         # (B, T)
     if token_weights is not None:
         per_token = per_token * token_weights.detach()                     # (B, T)
-    ref_logp = logp.detach() if ref_logp is None else ref_logp.detach()    # (B, T); none, no penalty
+    ref_logp = logp.detach() if ref_logp is None else ref_logp.detach()    # (B, T)
     ref_log_ratio = torch.where(mask, ref_logp - logp, torch.zeros_like(logp))  # (B, T)
     kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0                # (B, T) (12) k3
     per_token = per_token + kl_coef * kl_ref                               # (B, T)
@@ -222,9 +216,8 @@ MISMATCH_MODES = ("none", "tis", "mask", "seq-mask")
 
 
 def mismatch_correction(trainer_logp, sampler_logp, loss_mask, n_loss_tokens, mode, threshold):
-    """(11) Token weights (B, T) or None, the loss mask with dropped tokens 0, and metrics that add over
-    micro-batches and ranks: masked_frac (dropped / n_loss_tokens) and the kept tokens' weights (or
-    r) as ess_sum_w, ess_sum_w2, ess_n for update.effective_sample_size. Off the loss mask nothing counts."""
+    """(11) Token weights (B, T) or None, the loss mask with dropped tokens 0, and metrics that add up
+    over micro-batches and ranks: the dropped share and the sums update.effective_sample_size reads."""
     if mode not in MISMATCH_MODES:
         raise ValueError(f"unknown mismatch correction {mode!r}\n---> HINT: use one of {MISMATCH_MODES}")
     if mode != "none" and not threshold > 1.0:
@@ -232,7 +225,7 @@ def mismatch_correction(trainer_logp, sampler_logp, loss_mask, n_loss_tokens, mo
                          "---> HINT: e.g. 2 for tis and mask, 1.001 for seq-mask")
     mask = loss_mask.to(torch.bool)                                                     # (B, T)
     diff = trainer_logp.detach().double() - sampler_logp.detach().double()              # (B, T)
-    log_ratio = torch.where(mask, diff, torch.zeros_like(diff))  # off the mask r = 1: no inf, no nan
+    log_ratio = torch.where(mask, diff, torch.zeros_like(diff))  # r = 1 off the mask, so never inf or nan
     keep = mask                                                                         # (B, T)
     if mode == "mask":
         keep = mask & (log_ratio.abs() <= math.log(threshold))                          # (B, T)
