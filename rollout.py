@@ -168,10 +168,10 @@ def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0,
 
 
 def turn_seed(traj: Trajectory, cfg: RolloutConfig) -> int | None:
-    """The sampling seed of the trajectory's next turn, the same whichever driver or batch runs it; None
-    (the engine's own generator, seeded once) unless cfg.deterministic: vLLM 0.32 samples requests that
-    carry a seed one by one (vllm/v1/sample/ops/topk_topp_sampler.py, random_sample), and on GPUs
-    they also lose the FlashInfer sampler."""
+    """The sampling seed of the trajectory's next turn, the same whichever driver or batch runs it. It is
+    None, so the engine's own generator seeded once draws the noise, unless cfg.deterministic: vLLM
+    samples requests that carry a seed one at a time, and on GPUs without FlashInfer's sampler (see
+    docs/gpu.md)."""
     if not cfg.deterministic:
         return None
     return hash((cfg.seed, traj.index, traj.sample, traj.num_turns)) % 2**31
