@@ -1,10 +1,11 @@
-"""The README's forks, exactly as written there: each applied to a copy of the repository, whose fast tests
-that the fork touches then run in a subprocess, with a check that the fork does what the README says.
+"""The forks of the README and docs/forks.md, exactly as written there: each applied to a copy of the
+repository, whose fast tests that the fork touches then run in a subprocess, with a check that the fork
+does what its paragraph says.
 
-A fork in the README is a ```diff block right after a `<!-- fork: NAME -->` line; the paragraph above it
-says the lines it takes ("+a/-b"). FORKS below names, for each, the tests to run in the copy and its check
-(a test module written into the copy). A fork in the README without an entry here fails, and so does
-an entry without its fork."""
+A fork is a ```diff block right after a `<!-- fork: NAME -->` line; the paragraph above it says the lines
+it takes ("+a/-b"). FORKS below names, for each, the tests to run in the copy and its check (a test
+module written into the copy). A fork without an entry here fails, and so does an entry without its
+fork."""
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+FORK_FILES = ("README.md", "docs/forks.md")
 FORK_RE = re.compile(r"((?:[^\n]+\n)+)\n<!-- fork: ([\w-]+) -->\n```diff\n([\s\S]*?)```\n")
 
 # name -> (the tests it touches, run in the copy; the check that it took effect, a test module)
@@ -89,17 +91,58 @@ FORKS = {
                                    ("python", "sympy"))
             assert call.error is None and sandbox.run(call.code, call.stdin).stdout.strip() == "x + 1"
         """),
+    "kl-k2": (["tests/test_grpo_roc.py::test_policy_loss_golden_value_and_metrics",
+               "tests/test_kl.py::test_the_penalty_is_zero_at_the_first_step_and_grows_as_the_policy_moves"],
+              """
+        import pytest
+        import torch
+        from grpo_roc import policy_loss
+
+        def test_the_penalty_and_its_gradient_are_k2s():
+            logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -3.0, -1.5]], dtype=torch.float64)
+            ref_logp = torch.tensor([[-1.5, -1.0, -0.5], [-1.2, -2.0, -2.5]], dtype=torch.float64)
+            loss_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+            ours = logp.clone().requires_grad_()
+            no_advantage = torch.zeros(2, dtype=torch.float64)  # the loss is then the penalty alone
+            loss, metrics = policy_loss(ours, logp, no_advantage, loss_mask, 5, ref_logp=ref_logp,
+                                        kl_coef=0.3)
+            k2 = 0.5 * (ref_logp - logp) ** 2 * loss_mask                       # (B, T)
+            assert loss.item() == pytest.approx(0.3 * k2.sum().item() / 5), "the loss is not beta x k2"
+            assert metrics["kl_ref"] == pytest.approx(k2.sum().item() / 5), "kl_ref is not k2 per token"
+            loss.backward()
+            torch.testing.assert_close(ours.grad, 0.3 * (logp - ref_logp) * loss_mask / 5)
+        """),
+    "calculator-sft": (["tests/test_tools.py::test_a_tool_call_must_give_the_arguments_its_spec_lists",
+                        "tests/test_mawps.py::test_the_call_parses_back_and_runs_to_the_answer"], """
+        import os, sys
+        from conversation import parse_tool_call, render_messages
+        from test_rollout import tok  # noqa: F401 (the fixture)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data"))
+        from chains import calculator_conversation
+
+        def test_sft_data_calls_the_calculator_and_the_call_parses_back_and_runs(tok, sandbox):
+            messages = calculator_conversation("What is 12 * 34 + 5?", "12 * 34 + 5", "413", "413")
+            ids, loss_mask = render_messages(tok, messages)
+            start = loss_mask.index(1)
+            first_turn = tok.decode(ids[start:loss_mask.index(0, start)])
+            assert '"name": "calculate"' in first_turn, f"the call is not the calculator's: {first_turn!r}"
+            call = parse_tool_call(first_turn, ("python", "calculator"))
+            assert call is not None and call.error is None, f"the call did not parse back: {call}"
+            assert sandbox.run(call.code, call.stdin).stdout == "413\n"
+        """),
 }
 
 
 def readme_forks() -> dict[str, tuple[str, str]]:
-    """name -> (the paragraph above the fork, its patch), as the README has them."""
-    return {name: (text, patch) for text, name, patch in FORK_RE.findall((ROOT / "README.md").read_text())}
+    """name -> (the paragraph above the fork, its patch), as the README and docs/forks.md have them."""
+    found = [fork for doc in FORK_FILES for fork in FORK_RE.findall((ROOT / doc).read_text())]
+    assert len({name for _, name, _ in found}) == len(found), "two forks have one name"
+    return {name: (text, patch) for text, name, patch in found}
 
 
 def test_every_readme_fork_is_checked_here_and_says_the_lines_it_takes():
     forks = readme_forks()
-    assert set(forks) == set(FORKS), "each README fork needs its entry in FORKS, and each entry its fork"
+    assert set(forks) == set(FORKS), "each fork needs its entry in FORKS, and each entry its fork"
     for name, (text, patch) in forks.items():
         lines = patch.splitlines()
         files = {line[len("+++ b/"):] for line in lines if line.startswith("+++ b/")}
@@ -129,8 +172,8 @@ def test_the_readme_fork_applies_and_passes_the_tests_it_touches(name, tmp_path)
     (tmp_path / "fork.diff").write_text(patch)
     applied = subprocess.run(["git", "apply", "--verbose", str(tmp_path / "fork.diff")], cwd=copy,
                              capture_output=True, text=True)
-    assert applied.returncode == 0, f"the README's {name} fork no longer applies:\n{applied.stderr}\n" \
-                                    "---> HINT: update its patch in the README to today's code"
+    assert applied.returncode == 0, f"the {name} fork no longer applies:\n{applied.stderr}\n" \
+                                    "---> HINT: update its patch (README.md or docs/forks.md) to today's code"
     tests, check = FORKS[name]
     (copy / "tests" / "test_fork_check.py").write_text(textwrap.dedent(check))
     env = dict(os.environ, OMP_NUM_THREADS="1")
