@@ -12,8 +12,7 @@ What this file does (paper §2.2.3, Eq. 4-7) and where it departs from the paper
 4. Positives fill the rest of G, drawn without replacement with probability proportional to
    1 / (p_total + 1e-3) (POSITIVE_WEIGHTS). Short of positives, negatives fill G; a group of at most G is
    kept whole (`short_group` if < G).
-5. `downsample_uniform`, the "GRPO with tool" ablation at equal compute: (2), then G of the 2G
-   uniformly (an all-equal subset is kept, as GRPO would).
+5. `downsample_uniform`, the paper's "GRPO with tool" ablation at equal compute: (2), then G of 2G uniformly.
 6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
 7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level as in DAPO: any split into
    micro-batches and ranks gives one big batch's gradient. No entropy bonus, no dual clip, no KL unless
@@ -118,8 +117,7 @@ def _in_order(group, chosen):
 
 def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Random,
                         positive_weight: str = "roc", **settings):
-    """GRPO-RoC down-sampling of one problem's rollouts to `group_size`; positive_weight names the
-    positives' weight in POSITIVE_WEIGHTS (4)."""
+    """GRPO-RoC: one problem's rollouts down to `group_size`, positives drawn by positive_weight (4)."""
     if positive_weight not in POSITIVE_WEIGHTS:
         raise ValueError(f"unknown positive_weight {positive_weight!r}\n---> HINT: {sorted(POSITIVE_WEIGHTS)}")
     decided = _prefilter(group, group_size)
@@ -146,9 +144,8 @@ def downsample_uniform(group: list[Trajectory], group_size: int, rng: random.Ran
     return kept, _stats(kept=kept)
 
 
-# A down-sampler is fn(group, group_size, rng, **settings) -> (kept in the group's order, stats that add
-# up over groups). Its settings, which train.py's --downsample-setting sets, are declared here and
-# defaulted in its signature.
+# A down-sampler is fn(group, group_size, rng, **settings) -> (kept in the group's order, stats summed over
+# groups). DOWNSAMPLER_SETTINGS declares what --downsample-setting may set; its signature, the defaults.
 DOWNSAMPLERS = {"roc": resample_on_correct, "uniform": downsample_uniform}
 DOWNSAMPLER_SETTINGS = {"roc": {"positive_weight": "a name in POSITIVE_WEIGHTS (4)"}, "uniform": {}}
 
@@ -173,10 +170,9 @@ def group_advantages(rewards) -> torch.Tensor:
 def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.2, eps_high=0.28,
                 token_weights=None, denominator=None, ref_logp=None, kl_coef=0.0):
     """(7) PPO-clip with Clip-Higher, the masked sum over tokens divided by `denominator` (default
-    n_loss_tokens). Only logp (B, T) carries the gradient; each rollout's advantage (B,) applies to all its
-    tokens; token_weights (B, T) are (11)'s; ref_logp (B, T) adds (12). Returns (loss, metrics), each
-    metric a masked sum / n_loss_tokens (8): the clipped shares, ratio_mean, approx_kl (k3 of the step's
-    own KL to old_logp) and kl_ref (k3 to the reference, 0 without one)."""
+    n_loss_tokens). Only logp (B, T) carries the gradient; a rollout's advantage (B,) applies to all its
+    tokens; token_weights (B, T) are (11)'s, ref_logp (B, T) adds (12). Each metric is a masked sum /
+    n_loss_tokens (8): the clipped shares, ratio_mean, approx_kl (k3 to old_logp) and kl_ref (k3 to ref)."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
     # Padding could make inf * 0 = nan, so the log-ratio is zero off the mask.

@@ -23,7 +23,7 @@ from sandbox import SANDBOX_FAILURE
 # on a rank that holds only its numbers (ProblemQueue.gather), where `sizes` keeps the token counts.
 
 FAILURE_KINDS = ("error", "timeout", "oom", "parse")  # what counts as a failed tool call
-# sandbox_failure: the sandbox itself failed (not the model's code): the trajectory stops there
+# A sandbox_failure is the sandbox's own, not the model's code's, and it ends the trajectory.
 FINISH_REASONS = ("answer", "no_tool_call", "length", "max_turns", "sandbox_failure")
 TOKENS = {"prompt_ids": np.int32, "response_ids": np.int32, "loss_mask": np.bool_, "logprobs": np.float32}
 
@@ -80,11 +80,11 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0                  # with `deterministic`: every turn of every rollout derives its own
-    deterministic: bool = False    # per-turn seeds: the same samples whatever the batch (vLLM: slower)
+    deterministic: bool = False    # per-turn seeds: the same samples whatever the batch, sampled slower
     max_tool_chars: int = MAX_TOOL_RESPONSE_CHARS
     kv_budget: int | None = None   # the scheduler admits within this many KV tokens (None: the engine's)
     eos_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (model_eos_ids): they end a turn too
-    tools: tuple[str, ...] = DEFAULT_TOOLS  # the tools the system prompt offers (names in conversation.TOOLS)
+    tools: tuple[str, ...] = DEFAULT_TOOLS  # the tools the system prompt offers (names in tools.TOOLS)
 
 
 def add_rollout_flags(parser, top_p: bool = True, **defaults):

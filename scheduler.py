@@ -231,7 +231,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
                 call = end_turn(t, *turn_tokens(out.outputs[0]), tokenizer, cfg)
                 admission.grew(len(out.outputs[0].token_ids), turn=True)
                 if call is None:
-                    next_turn(t)         # (it has finished)
+                    next_turn(t)         # it has finished
                 elif call.error is not None:
                     after_tool(t, call.error)
                 else:                    # (2) to the sandbox now; the engine goes on

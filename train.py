@@ -60,7 +60,7 @@ PRESETS = {  # the toy world on a CPU: the SFT'd toy model, minutes not days
     "toy": dict(model="runs/toy_sft", data="data/toy/train.jsonl", out_dir="runs/toy_rl", steps=20,
                 problems_per_step=16, rollouts_per_problem=8, group_size=4, max_response=384,
                 max_turns=4, max_prompt=512, lr=2e-4, warmup_steps=2, save_every=10, sample_every=5,
-                deterministic=True,  # (seeded turns: a rerun is the same run; cheap on a CPU)
+                deterministic=True,  # seeded turns make a rerun the same run, and cost little on a CPU
                 # With --lora-rank the head trains in full too: in a 4-layer model its logits carry the
                 # choice to call the tool, and LoRA alone learned it 5 points slower (docs/benchmarks.md)
                 lora_train="lm_head"),
@@ -193,7 +193,7 @@ if args.plan:
         print(f"(the plan counts a trained lm_head, not {','.join(uncounted)}: 14 bytes a parameter more)")
     raise SystemExit(memory_plan.report(args.model, args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8)),
                                         offload=args.offload_trainer, **plan_settings))
-problems = read_problems(args.data)  # (checked before anything slow starts)
+problems = read_problems(args.data)  # a bad file fails here, before anything slow starts
 
 # -----------------------------------------------------------------------------
 # Compute: torchrun's environment or one process; NCCL on GPUs, gloo on CPUs; a gloo group for waits.
@@ -229,10 +229,10 @@ eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)
 log(f"data: {len(problems)} problems from {args.data}; "
     f"dropped {n_long} with a prompt over {args.max_prompt} tokens")
-groups = param_groups(model, args)  # (the adapters, then what trains in full: lora.py)
-peaks = [group["lr"] for group in groups]  # (each group's; a loaded optimizer state does not change them)
+groups = param_groups(model, args)  # under LoRA two groups: the adapters, then what trains in full
+peaks = [group["lr"] for group in groups]  # taken before a loaded optimizer state could change them
 optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay,
-                              fused=device.type == "cuda")  # (one kernel per step on GPUs)
+                              fused=device.type == "cuda")  # one kernel per step on GPUs
 
 # Where the run starts: its own newest checkpoint (--resume), an earlier stage's (--init-from), or
 # the beginning. The data stream's `position` counts problems taken; `stream_start` is where this run
@@ -248,17 +248,17 @@ stream = ProblemStream(problems, args.seed)
 # trainer runs, its weights the trainer's (it never reads the checkpoint); a sandbox pool per rank
 # sized to its share of the node's cores. A rank whose pool cannot start raises: the job stops.
 
-frozen = (reference,) if reference is not None and reference is not model else ()  # moved with the trainer
+frozen = (reference,) if reference is not None and reference is not model else ()  # offloaded with the model
 with trainer_offloaded(model, optimizer, device, offload, frozen):  # vLLM wants its whole share free at start
     llm = make_engine(args.model, max_model_len=args.max_prompt + args.max_response, seed=args.seed,
                       memory_fraction=memory_fraction, kv_cache_tokens=args.kv_cache_tokens,
-                      external_launcher=world_size > 1, weights=False, rank=rank)  # (a seed per rank)
-    sleep(llm)  # (until the sync below wakes its weights: the KV cache wakes for the first rollout)
+                      external_launcher=world_size > 1, weights=False, rank=rank)  # a seed of its own
+    sleep(llm)  # the sync below wakes its weights, and the first rollout its KV cache
 kv_budget = int(kv_capacity_tokens(llm.llm_engine) * args.kv_overcommit)
 sandbox = Sandbox(timeout=args.tool_timeout)
 roll_out = rollout_scheduled if args.driver == "scheduler" else rollout_lockstep
 sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-sync_weights(llm, full_weights(model, sync_dtype))  # (before the first rollout)
+sync_weights(llm, full_weights(model, sync_dtype))  # the engine started without the checkpoint's weights
 wandb_run = None
 if args.wandb and master:
     import wandb  # optional: only when asked for
@@ -294,7 +294,7 @@ for step in range(start_step, args.steps):
         while True:
             batch = stream.take(position, args.problems_per_step)
             position += args.problems_per_step
-            draw = drawn // args.problems_per_step  # (the first draw samples as a run without the flag)
+            draw = drawn // args.problems_per_step  # the first draw samples as a run without the flag
             cfg = rollout_config(args, seed=step_seed + 100_003 * draw, kv_budget=kv_budget, eos_ids=eos_ids)
             problem_queue = ProblemQueue(key=f"{args.out_dir}/{step}/{draw}", distributed=world_size > 1,
                                          group=cpu_group())
@@ -314,7 +314,7 @@ for step in range(start_step, args.steps):
                 break
         sleep(llm)
     row["rollout_seconds"] = time.perf_counter() - t0
-    stats = dict(stats, **trajectory_metrics(trajs), **timing)  # (over every draw of the step)
+    stats = dict(stats, **trajectory_metrics(trajs), **timing)  # counted over every draw of the step
     if args.dynamic_sampling:  # train the first --problems-per-step mixed groups, in the order drawn
         keep = set(sorted(mixed_groups(trajs))[:args.problems_per_step])
         trajs = [t for t in trajs if t.index in keep]
@@ -343,7 +343,7 @@ for step in range(start_step, args.steps):
     warm = min(1.0, (step + 1) / max(args.warmup_steps, 1))
     for g, peak in zip(optimizer.param_groups, peaks):
         g["lr"] = peak * warm
-    lr = peaks[0] * warm  # (--lr; LoRA's adapters': lora.py)
+    lr = peaks[0] * warm  # the first group's: --lr, or under LoRA the adapters' rate
     row.update(policy_update(policy, kept, advantages, problem_queue), lr=lr)
     row["train_seconds"] = time.perf_counter() - t0
 
@@ -354,8 +354,9 @@ for step in range(start_step, args.steps):
 
     # ---- logging ----
     row.update(stats, tokens_per_s=stats["generated_tokens"] / row["rollout_seconds"])  # all 2G rollouts
-    row.update(kept=len(kept), kept_reward=sum(t.reward for t in kept) / max(len(kept), 1),  # what the
-               **counts, dropped_group_share=counts["dropped_groups"] / len(groups),          # gradient saw
+    # The kept rollouts' reward is what the gradient saw, where the accuracy counts every rollout.
+    row.update(kept=len(kept), kept_reward=sum(t.reward for t in kept) / max(len(kept), 1),
+               **counts, dropped_group_share=counts["dropped_groups"] / len(groups),
                step_seconds=time.perf_counter() - t_step)
     alarms = collapse_alarms(history, row)
     history.append(row)
@@ -373,7 +374,7 @@ for step in range(start_step, args.steps):
         if wandb_run:
             wandb_run.log(dict(row, collapse_alarm=len(alarms)), step=step + 1)
         if args.sample_every and (step + 1) % args.sample_every == 0:
-            own = [t for t in trajs if t.rank == rank]  # (this rank's rollouts: their text is here)
+            own = [t for t in trajs if t.rank == rank]  # only this rank holds its own rollouts' text
             for t in own[:: max(1, len(own) // 3)][:3]:
                 samples_file.write(f"===== step {step + 1} problem {t.index} sample {t.sample} "
                                    f"reward {t.reward} ({t.finish_reason}) =====\n{t.text}\n")
@@ -392,5 +393,5 @@ for step in range(start_step, args.steps):
 
 sandbox.close()
 del llm
-if dist.is_initialized():  # (vLLM may already have torn it down with the engine)
+if dist.is_initialized():  # vLLM may have torn the process group down with the engine
     dist.destroy_process_group()

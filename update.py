@@ -19,8 +19,8 @@ from logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logpr
 from lora import adapters_off
 from training import plan_micro_batches
 
-# The metrics of one optimizer step: sums over its micro-batches (each term already / n_loss_tokens),
-# then the largest mismatch of a token and the gradient's norm; policy_update averages them over steps.
+# The metrics of one optimizer step. Each term is already divided by n_loss_tokens, so the micro-batches'
+# values add up; the largest mismatch and the gradient's norm follow. policy_update averages over steps.
 SUMMED = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref", "logprob_mismatch",
           "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n"]
 METRICS = SUMMED + ["logprob_mismatch_max", "grad_norm"]

@@ -128,7 +128,7 @@ FORKS = {
             assert '"name": "calculate"' in first_turn, f"the call is not the calculator's: {first_turn!r}"
             call = parse_tool_call(first_turn, ("python", "calculator"))
             assert call is not None and call.error is None, f"the call did not parse back: {call}"
-            assert sandbox.run(call.code, call.stdin).stdout == "413\n"
+            assert sandbox.run(call.code, call.stdin).stdout == "413\\n"
         """),
 }
 
