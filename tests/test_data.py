@@ -1,5 +1,5 @@
 """data/prepare_{rl,eval,sft}.py: the integer filter, 8-gram decontamination, de-duplication, the SFT
-conversions (rendered by rollout.render_messages), and each script end to end on local JSONL and
+conversions (rendered by conversation.render_messages), and each script end to end on local JSONL and
 parquet files with the real sources' columns, offline, with a library cache of the test's own."""
 import json
 import os

@@ -194,7 +194,7 @@ def test_chat_template_renders_what_render_messages_tokenizes(toy):
     for conv in read_jsonl(toy / "sft.jsonl")[:20]:
         ids, _ = render_messages(tok, conv["messages"])
         assert tok.apply_chat_template(conv["messages"], tokenize=False) == tok.decode(ids), \
-            "the tokenizer's chat template and rollout.render_messages disagree"
+            "the tokenizer's chat template and conversation.render_messages disagree"
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 * 3?"}], tokenize=False,
                                      add_generation_prompt=True)
     assert prompt == render_prompt("What is 2 * 3?")

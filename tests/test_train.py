@@ -116,7 +116,7 @@ def adam_step_count(checkpoint) -> int:
 def test_the_three_stage_recipe_hands_over_model_optimizer_data_and_the_hard_problems(tmp_path, toy_sft_model,
                                                                                       toy_world):
     """SFT model -> stage 1 -> stage 2 (--init-from) -> eval.py --filter-solved -> stage 3 (--init-from,
-    a fresh optimizer, the filtered file), each as a command, as the README's recipe runs them."""
+    a fresh optimizer, the filtered file), each as a command, as docs/gpu.md's recipe runs them."""
     data = toy_world / "train.jsonl"
     printed = []
     one = train(tmp_path / "s1", toy_sft_model, data, "--stage", "1", "--steps", "2", "--save-every", "0")
