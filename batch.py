@@ -10,11 +10,14 @@
    paper's scale (16,384 trajectories of up to 8K tokens, 8 ranks) every rank holding everything
    would be ~11 GB of Python objects per rank: bench/gather_memory.py measures the difference.
 With one rank no collective runs and the objects come back as they are.
+3. mixed_groups: the problems of a batch whose rollouts are some right and some wrong, the only ones
+   GRPO learns from; train.py --dynamic-sampling draws problems until a step has enough of them.
 """
 import dataclasses
 import functools
 import itertools
 import pickle
+from collections import defaultdict
 
 import numpy as np
 
@@ -120,3 +123,13 @@ def without_payload(t, with_text: bool = False):
     return dataclasses.replace(t, prompt_ids=None, response_ids=None, loss_mask=None, logprobs=None,
                                text=t.text if with_text else None,
                                sizes=(t.prompt_length, t.response_length, t.num_loss_tokens))
+
+
+def mixed_groups(trajs: list) -> set[int]:
+    """The problems whose graded rollouts are some right and some wrong: the groups GRPO learns from
+    (an all-equal group's advantages are all zero)."""
+    rewards = defaultdict(set)
+    for t in trajs:
+        if not t.sandbox_failed:
+            rewards[t.index].add(t.reward)
+    return {index for index, seen in rewards.items() if len(seen) > 1}

@@ -16,7 +16,8 @@
 3. Under torchrun every rank runs its own engine and pulls problems from a shared counter; the
    trajectories' numbers and text are gathered; rank 0 prints the table, writes table.json + samples.jsonl.
 4. --filter-solved K: the stage-3 difficulty filter. Sample K rollouts per training problem and
-   keep the problems not solved K/K (original fields kept). Sampling then defaults to the stage-2
+   keep the problems not solved K/K (original fields kept); --min-solved M also drops those solved
+   fewer than M times, a pass-rate band for a stage's data. Sampling then defaults to the stage-2
    training settings (temperature 1.0, 12K tokens, T = 10); explicit flags still win.
 """
 import argparse
@@ -57,33 +58,27 @@ def get_args(argv=None):
     parser.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,
                         help="under torchrun: how long a rank may wait for the others' rollouts")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="engine context; default: longest prompt + --max-response, capped at the "
-                             "model's context")
+                        help="engine context (default: longest prompt + --max-response, at most the model's)")
     add_engine_flags(parser, memory_fraction=0.85)
     parser.add_argument("--tool-workers", type=int, default=None,
-                        help="sandbox workers per rank (default: the CPU cores shared among the node's "
-                             "ranks)")
+                        help="sandbox workers per rank (default: the node's CPU cores shared among its ranks)")
     parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds a tool call may run")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--first", type=int, default=None,
                         help="only the first N problems of each file (e.g. the stage-3 filter on a sample)")
     parser.add_argument("--out-dir", default=None,
-                        help="where table.json, samples.jsonl and eval_config.json go (default "
-                             "results/<model name>; with --filter-solved: the verdicts behind the filter)")
+                        help="where table.json, samples.jsonl and eval_config.json go (results/<model name>)")
     parser.add_argument("--filter-solved", type=int, default=0, metavar="K",
-                        help="stage-3 filter: sample K per problem of --data, write those not solved K/K to "
-                             "--out")
+                        help="stage-3 filter: sample K per problem of --data; those not solved K/K go to --out")
     parser.add_argument("--min-solved", type=int, default=0, metavar="M",
-                        help="with --filter-solved K: keep only problems solved at least M times in K (a "
-                             "pass-rate band [M, K-1] of K for a stage's data)")
+                        help="with --filter-solved K: keep only the problems solved M to K-1 times in K")
     parser.add_argument("--data", default=None, help="with --filter-solved: the training JSONL to filter")
     parser.add_argument("--out", default=None, help="with --filter-solved: where the unsolved problems go")
     if parser.parse_known_args(argv)[0].filter_solved:  # (4) training's sampling; explicit flags win
         parser.set_defaults(**FILTER_DEFAULTS)
     args = parser.parse_args(argv)
     if args.min_solved and not 0 < args.min_solved < args.filter_solved:
-        parser.error(f"--min-solved {args.min_solved} needs --filter-solved K with K > {args.min_solved}\n"
-                     f"---> HINT: --filter-solved 8 --min-solved 1 keeps problems solved 1 to 7 times in 8")
+        parser.error("--min-solved M needs --filter-solved K > M\n---> HINT: --filter-solved 8 --min-solved 1")
     if args.filter_solved and not (args.data and args.out):
         parser.error("--filter-solved needs --data and --out\n"
                      "---> HINT: python eval.py --model runs/stage2 --filter-solved 8 --data data/rl.jsonl "
@@ -148,9 +143,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def select_unsolved(problems: list[dict], trajs: list, k: int, min_solved: int = 0) -> list[dict]:
-    """(4) The problems not solved k/k (`correct`) but at least min_solved times, in order, as given; a
-    problem with a sample the sandbox failed is kept (not solved k/k as far as we know), if its other
-    samples reach min_solved. Every problem must have k samples."""
+    """(4) The problems solved (`correct`) at least min_solved times but not k/k, in order; a sample the
+    sandbox failed counts as unsolved. Every problem must have k samples."""
     tried, solved = defaultdict(int), defaultdict(int)
     for t in trajs:
         tried[t.index] += 1
@@ -166,9 +160,8 @@ def benchmark_path(benchmark: str, eval_dir: str) -> str:
         return benchmark
     path = os.path.join(eval_dir, f"{benchmark}.jsonl")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such benchmark file\n---> HINT: `python data/prepare_eval.py "
-                                f"--out-dir {eval_dir}` downloads aime24, aime25, hmmt25 and math500; "
-                                f"or pass the path of a JSONL with a question and an answer per line")
+        raise FileNotFoundError(f"{path}: no such benchmark\n---> HINT: `python data/prepare_eval.py --out-dir "
+                                f"{eval_dir}` gets aime24, aime25, hmmt25, math500; or pass a JSONL's path")
     return path
 
 
@@ -272,8 +265,7 @@ def main(argv=None, llm=None):
 
     # -- table (2)
     if master:
-        print(f"\n{args.model}: temperature {args.temperature}, {n} samples, "
-              f"up to {args.max_response} tokens, "
+        print(f"\n{args.model}: temperature {args.temperature}, {n} samples, up to {args.max_response} tokens, "
               f"T = {args.max_turns} ({seconds:.0f} s)")
         print(format_table(rows))
         for r in rows:

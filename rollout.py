@@ -7,7 +7,6 @@ exactly the sampled ids.
 """
 import json
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -287,16 +286,6 @@ def trajectory_metrics(trajs: list[Trajectory]) -> dict:
         "tool_error_ratio_pos": sum(min(1.0, t.num_tool_failures / t.tool_calls) for t in correct_tool_users)
         / max(len(correct_tool_users), 1),
     }
-
-
-def mixed_groups(trajs: list[Trajectory]) -> set[int]:
-    """The problems whose graded rollouts are some right and some wrong: the groups GRPO learns from
-    (an all-equal group's advantages are all zero)."""
-    rewards = defaultdict(set)
-    for t in trajs:
-        if not t.sandbox_failed:
-            rewards[t.index].add(t.reward)
-    return {index for index, seen in rewards.items() if len(seen) > 1}
 
 
 def collapse_alarms(history: list[dict], row: dict, keys=("tool_calls", "turns")) -> list[str]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import memory_plan
-from batch import ProblemQueue, ProblemStream
+from batch import ProblemQueue, ProblemStream, mixed_groups
 from conversation import pad_token_id, prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, wake_for_rollout)
@@ -39,8 +39,8 @@ from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, MISMATCH_MODES, drop_s
                       filter_void_turns, group_advantages)
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, reference_policy
 from offload import trainer_offloaded
-from rollout import (add_rollout_flags, collapse_alarms, drop_long_prompts, mixed_groups, read_problems,
-                     rollout_config, trajectory_metrics)
+from rollout import (add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config,
+                     trajectory_metrics)
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
