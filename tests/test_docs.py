@@ -7,6 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = {p.stem: p for p in ROOT.glob("*.py")}
 CITATION = re.compile(r"`(\w+)\.(\w+)(?:\.(\w+))?")
+FILE_TYPES = {"py", "jsonl", "json", "md", "txt", "csv", "png", "sh"}  # `train.jsonl` names a file, not code
 
 
 def defined_names(body: list) -> set[str]:
@@ -33,7 +34,7 @@ def top_level_names(path: Path) -> dict[str, set[str]]:
 def citations(text: str):
     """(module, name, method or None) for each backticked `module.name` whose module is one of ours."""
     for module, name, method in CITATION.findall(text):
-        if module in MODULES and name != "py":
+        if module in MODULES and name not in FILE_TYPES:
             yield module, name, method or None
 
 
@@ -50,8 +51,9 @@ def missing_citations(text: str) -> list[str]:
 
 def test_the_checker_catches_a_name_that_moved():
     assert missing_citations("`logprobs.token_logprobs` and `update.UpdateSettings`") == []
-    # A file name (grpo_roc.py) and another package's name (numpy.zeros) are not citations of our code.
-    moved = "`training.token_logprobs`, `grpo_roc.py`, `numpy.zeros`"
+    # File names (grpo_roc.py, train.jsonl) and another package's names (numpy.zeros) are not citations
+    # of our code.
+    moved = "`training.token_logprobs`, `grpo_roc.py`, `train.jsonl`, `numpy.zeros`"
     assert missing_citations(moved) == ["training.token_logprobs"]
     assert missing_citations("`update.UpdateSettings.kl_coef`, `update.UpdateSettings.kl`") == \
         ["update.UpdateSettings.kl"]
