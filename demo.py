@@ -126,9 +126,10 @@ def real_recipe():
         if i == 3:  # the stage-3 difficulty filter: keep the problems stage 2's policy does not solve 4/4
             band = ["--min-solved", str(recipe["filter_min_solved"])] if recipe.get("filter_min_solved") else []
             stages.append(("stage-3 filter: the problems stage 2 does not solve 4/4", data,
-                           ["eval.py", "--model", f"{runs}/stage2/final", "--filter-solved", "4", *band, "--data",
-                            f"{world}/train.jsonl", "--first", str(6 * recipe["problems"]), "--out", data,
-                            "--max-turns", "4", "--max-response", str(budget), *kv, "--out-dir", f"{runs}/filter"]))
+                           ["eval.py", "--model", f"{runs}/stage2/final", "--filter-solved", "4", *band,
+                            "--data", f"{world}/train.jsonl", "--first", str(6 * recipe["problems"]),
+                            "--out", data, "--max-turns", "4", "--max-response", str(budget), *kv,
+                            "--out-dir", f"{runs}/filter"]))
             handover += ["--reset-optimizer", "1"]
         stages.append((f"RL stage {i}: {steps} steps, {budget} tokens, T = {turns}, {name} problems",
                        f"{runs}/stage{i}/final/config.json",

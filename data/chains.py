@@ -111,7 +111,8 @@ def run_calls(plans: list[list[str]]) -> dict:
         results = dict(zip(codes, sandbox.run_batch(codes)))
     for calls in plans:
         if len(calls) > 1 and results[calls[0]].status != "error":
-            sys.exit(f"a call meant to fail ran: {calls[0]!r}\n---> HINT: broken_code must make code that fails")
+            sys.exit(f"a call meant to fail ran: {calls[0]!r}\n"
+                     f"---> HINT: broken_code must make code that fails")
     return results
 
 

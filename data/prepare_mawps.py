@@ -31,7 +31,8 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from chains import Skip, chain_code, conversation, plan_calls, printed_matches, quantity_name, run_calls  # noqa: E402
+from chains import (Skip, chain_code, conversation, plan_calls, printed_matches,  # noqa: E402
+                    quantity_name, run_calls)
 
 CSV = "../shared/data/mawps_asdiv/train.csv"
 MASK = re.compile(r"\bnumber(\d+)\b")
@@ -159,7 +160,10 @@ def convert(record: dict) -> tuple[str, str, list[tuple[str, str, str]], str, in
     for node in operations:
         op, left, right = node
         final = node is tree
-        name = ANSWER[op].format(noun.replace("_", " ")) if final and noun else ("answer" if final else PARTIAL[op])
+        if final:  # the answer is named after what the question asks for, when it says
+            name = ANSWER[op].format(noun.replace("_", " ")) if noun else "answer"
+        else:
+            name = PARTIAL[op]
         name = quantity_name(name, used, "answer", most=4)
         words[id(node)] = (name,)
         expression = f"{number_text(str(value_of(left)))} {op} {number_text(str(value_of(right)))}"
@@ -237,14 +241,15 @@ def main():
         conversations.append({"messages": msgs})
 
     os.makedirs(args.out, exist_ok=True)
-    for file, items in (("test.jsonl", [problem(i) for i in test]), ("train.jsonl", [problem(i) for i in train]),
-                        ("sft.jsonl", conversations)):
+    sets = {"test.jsonl": [problem(i) for i in test], "train.jsonl": [problem(i) for i in train],
+            "sft.jsonl": conversations}
+    for file, items in sets.items():
         with open(os.path.join(args.out, file), "w") as f:
             f.writelines(json.dumps(item) + "\n" for item in items)
         print(f"{os.path.join(args.out, file)}: {len(items)}")
     n_fixed = sum(len(c["messages"]) > 4 for c in conversations)
-    print(f"{len(records)} distinct problems; SFT: {len(conversations)} of {len(sft)} converted, {n_fixed} with "
-          f"a failing first call; left out: {dict(counts) or 'none'}")
+    print(f"{len(records)} distinct problems; SFT: {len(conversations)} of {len(sft)} converted, "
+          f"{n_fixed} with a failing first call; left out: {dict(counts) or 'none'}")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from eval import select_unsolved  # noqa: E402
 from batch import mixed_groups  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
-SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-size", "2", "--max-response", "256",
-         "--save-every", "1", "--steps", "2"]
+SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-size", "2",
+         "--max-response", "256", "--save-every", "1", "--steps", "2"]
 
 
 def group(index, rewards, failed=()):
@@ -60,14 +60,14 @@ def test_dynamic_sampling_draws_until_the_step_holds_its_mixed_groups_and_trains
     assert dynamic[0]["mixed_first_draw"] == plain[0]["mixed_groups"], "the first draw must be the plain step's"
     assert all(row["mixed_first_draw"] == row["mixed_groups"] for row in plain)
     for row in dynamic:
-        assert row["drawn_problems"] in (8, 16, 24), "a step draws --problems-per-step at a time, at most 3 times"
+        assert row["drawn_problems"] in (8, 16, 24), "a step draws 8 problems at a time, at most 3 times"
         full = row["mixed_groups"] >= 8
         assert full or row["drawn_problems"] == 24, "it draws again while it holds fewer than 8 mixed groups"
         assert row["dropped_groups"] == 0, "every group it trains is mixed"
         assert row["kept"] == 2 * min(8, row["mixed_groups"]), "G = 2 rollouts kept of each trained group"
         assert row["mixed_share"] == min(8, row["mixed_groups"]) / 8
     meta = json.loads((tmp_path / "dynamic" / "checkpoints" / "step_2" / "meta.json").read_text())
-    assert meta["position"] == sum(row["drawn_problems"] for row in dynamic), "the stream goes on after the draws"
+    assert meta["position"] == sum(row["drawn_problems"] for row in dynamic), "the stream must go on after them"
 
 
 @pytest.mark.slow
@@ -77,8 +77,9 @@ def test_the_filter_with_a_band_keeps_exactly_the_problems_solved_some_of_the_ti
     (tmp_path / "pool.jsonl").write_text("\n".join(lines) + "\n")
     proc = subprocess.run([sys.executable, "eval.py", "--model", str(toy_sft_model), "--filter-solved", "2",
                            "--min-solved", "1", "--data", str(tmp_path / "pool.jsonl"), "--out",
-                           str(tmp_path / "band.jsonl"), "--max-response", "256", "--deterministic", "--out-dir",
-                           str(tmp_path / "verdicts")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           str(tmp_path / "band.jsonl"), "--max-response", "256", "--deterministic",
+                           "--out-dir", str(tmp_path / "verdicts")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     verdicts = [json.loads(x) for x in (tmp_path / "verdicts" / "samples.jsonl").read_text().splitlines()]
     solved = [sum(s["correct"] for s in verdicts if s["problem"] == i) for i in range(16)]

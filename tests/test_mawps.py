@@ -15,39 +15,43 @@ from chains import chain_code  # noqa: E402
 from conversation import ToolCall, parse_tool_call, render_assistant_turn  # noqa: E402
 from prepare_mawps import CSV, convert, detokenize, leaf_names, number_text  # noqa: E402
 
-BRYAN = {"Question": "Bryan took a look at his books as well . If Bryan has number0 books in each of his number1 "
-                     "bookshelves , how many books does he have in total ?",
+BRYAN = {"Question": "Bryan took a look at his books as well . If Bryan has number0 books in each of his "
+                     "number1 bookshelves , how many books does he have in total ?",
          "Numbers": "56.0 9.0", "Equation": "* number0 number1", "Answer": "504.0",
          "Ques": "how many books does he have in total ?"}
-CONNER = {"Question": "Conner has number0 dollars in his bank account . Every month he spends number1 dollars . He "
-                      "does not add money to the account . How much money will Conner have in his account after "
-                      "number2 months ?",
+CONNER = {"Question": "Conner has number0 dollars in his bank account . Every month he spends number1 dollars "
+                      ". He does not add money to the account . How much money will Conner have in his "
+                      "account after number2 months ?",
           "Numbers": "25000.0 1500.0 8.0", "Equation": "- number0 * number1 number2", "Answer": "13000.0",
           "Ques": "How much money will Conner have in his account after number2 months ?"}
-DAVE = {"Question": "Dave had to wash number0 short sleeve shirts and number1 long sleeve shirts before school . If "
-                    "he had only washed number2 of them by the time school started , how many did he not wash ?",
+DAVE = {"Question": "Dave had to wash number0 short sleeve shirts and number1 long sleeve shirts before school "
+                    ". If he had only washed number2 of them by the time school started , how many did he "
+                    "not wash ?",
         "Numbers": "9.0 27.0 20.0", "Equation": "- + number0 number1 number2", "Answer": "16.0",
         "Ques": "how many did he not wash ?"}
-KENDRA = {"Question": "Kendra made punch for her friend 's birthday party . She used number0 gallon of grape juice , "
-                      "number1 gallon of cranberry juice , and number2 gallon of club soda . How many gallons of "
-                      "punch did Kendra make ?",
+KENDRA = {"Question": "Kendra made punch for her friend 's birthday party . She used number0 gallon of grape "
+                      "juice , number1 gallon of cranberry juice , and number2 gallon of club soda . How many "
+                      "gallons of punch did Kendra make ?",
           "Numbers": "0.25 0.375 0.125", "Equation": "+ + number0 number1 number2", "Answer": "0.75",
           "Ques": "How many gallons of punch did Kendra make ?"}
 
 
 def test_the_detokenizer_gives_the_text_people_wrote():
     assert detokenize("how many books in total ?") == "how many books in total?"
-    assert detokenize("She spent $ 13.99 on shorts , $ 12.14 on a shirt .") == "She spent $13.99 on shorts, $12.14 on a shirt."
-    assert detokenize("cindy 's mom baked cookies ; they didn 't eat them") == "cindy's mom baked cookies; they didn't eat them"
+    assert detokenize("She spent $ 13.99 on shorts , $ 12.14 on a shirt .") == \
+        "She spent $13.99 on shorts, $12.14 on a shirt."
+    assert detokenize("cindy 's mom baked cookies ; they didn 't eat them") == \
+        "cindy's mom baked cookies; they didn't eat them"
     assert detokenize("the students ' books ( about half ) : 20 %") == "the students' books (about half): 20%"
     assert number_text("56.0") == "56" and number_text("10.22") == "10.22", "a whole number prints without .0"
 
 
 def test_a_one_step_problem_becomes_named_code_and_a_reasoning_that_does_not_give_the_result():
     question, reasoning, steps, answer, operations = convert(BRYAN)
-    assert question == ("Bryan took a look at his books as well. If Bryan has 56 books in each of his 9 bookshelves, "
-                        "how many books does he have in total?")
-    assert chain_code(steps) == "books = 56\nbookshelves = 9\ntotal_books = books * bookshelves\nprint(total_books)"
+    assert question == ("Bryan took a look at his books as well. If Bryan has 56 books in each of his 9 "
+                        "bookshelves, how many books does he have in total?")
+    assert chain_code(steps) == \
+        "books = 56\nbookshelves = 9\ntotal_books = books * bookshelves\nprint(total_books)"
     assert (answer, operations) == ("504", 1)
     assert "multiply" in reasoning and "56 books" in reasoning and "9 bookshelves" in reasoning
     assert "504" not in reasoning, "the tool computes the result: the reasoning must not state it"
@@ -92,7 +96,8 @@ def test_the_script_holds_out_problems_and_writes_disjoint_sets_of_integer_answe
                           "--n-sft", "200", "--error-share", "0.5"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
-    read = {name: [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")] for name in ("test", "train", "sft")}
+    read = {name: [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+            for name in ("test", "train", "sft")}
     test, train = read["test"], read["train"]
     sft = [c["messages"][0]["content"] for c in read["sft"]]
     assert len(test) == 300 and len(train) > 1000 and 190 <= len(sft) <= 200
