@@ -21,7 +21,6 @@ one of another rank.
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 ADAPTER = "default"  # peft's name for the one adapter
 # Peers' RL defaults (verl's and TRL's examples, "LoRA without regret"): every linear layer of the
@@ -107,28 +106,12 @@ def adapters_off(model):
 def reference_policy(model, path: str, device):
     """The reference of train.py --kl-coef: the run's --model as loaded, never trained. With LoRA and
     nothing trained in full, `model` itself (update.py runs it inside adapters_off: no second copy).
-    Otherwise a frozen copy, loaded as training.load_sharded_model loads the policy (rank 0 reads it, the
-    other ranks get their shards from it), in the base's dtype: bf16 on GPUs, fp32 on CPUs."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from training import shard_model
+    Otherwise a frozen copy that training.load_sharded_model loads as it loads the policy (rank 0 reads
+    it, the other ranks get their shards from it), in the base's dtype: bf16 on GPUs, fp32 on CPUs."""
+    from training import load_sharded_model
     if is_lora(model) and all(".lora_" in name for name, p in model.named_parameters() if p.requires_grad):
         return model
-    dtype = base_dtype(device)
-    if dist.get_rank() == 0:
-        reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        with torch.device("meta"):
-            reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-    full_state = reference.state_dict() if dist.get_rank() == 0 else {}
-    shard_model(reference.requires_grad_(False), device)
-    if dist.get_rank() != 0:
-        reference.to_empty(device=device)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(reference, full_state, options=options)
-    for buffer in reference.buffers():
-        dist.broadcast(buffer, src=0)
-    return reference.eval()
+    return load_sharded_model(path, device, frozen=True)
 
 
 def hf_name(name: str) -> str:

@@ -126,13 +126,14 @@ def expandable_segments(on: bool) -> None:
     torch._C._accelerator_setAllocatorSettings(",".join(fields + [f"expandable_segments:{on}"]))
 
 
-def load_sharded_model(path: str, device, activation_checkpointing: bool = False, lora: dict | None = None):
+def load_sharded_model(path: str, device, activation_checkpointing: bool = False, lora: dict | None = None,
+                       frozen: bool = False):
     """The model at `path`, sharded: fp32, or with `lora` (lora.lora_settings) a frozen base (bf16 on GPUs)
-    and fp32 adapters. Only rank 0 reads the weights (a node holds one full copy, not one per rank: 8 x
+    and fp32 adapters, or `frozen` whole (a reference policy, in the base's dtype). Only rank 0 reads the weights (a node holds one full copy, not one per rank: 8 x
     59 GB at 14B); the others build it on the meta device, and rank 0's state and buffers (rotary
     frequencies) are broadcast into every rank's shards. The trainer's memory: expandable segments."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    dtype = base_dtype(device) if lora else torch.float32
+    dtype = base_dtype(device) if lora or frozen else torch.float32
     expandable_segments(True)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -146,7 +147,7 @@ def load_sharded_model(path: str, device, activation_checkpointing: bool = False
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = add_lora(model, lora) if lora else model
+    model = add_lora(model, lora) if lora else model.requires_grad_(not frozen)
     full_state = model.state_dict() if dist.get_rank() == 0 else {}  # (rank 0's adapters: one init for all)
     shard_model(model, device)
     if dist.get_rank() != 0:
@@ -155,7 +156,7 @@ def load_sharded_model(path: str, device, activation_checkpointing: bool = False
     set_model_state_dict(model, full_state, options=options)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
-    return model
+    return model.eval() if frozen else model
 
 
 # -----------------------------------------------------------------------------
