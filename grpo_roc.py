@@ -205,10 +205,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.
     return loss, metrics
 
 
-# -----------------------------------------------------------------------------
-# (11) the sampler/trainer mismatch
-
-MISMATCH_MODES = ("none", "tis", "mask", "seq-mask")
+MISMATCH_MODES = ("none", "tis", "mask", "seq-mask")  # (11) the sampler/trainer mismatch
 
 
 def mismatch_correction(trainer_logp, sampler_logp, loss_mask, n_loss_tokens, mode, threshold):

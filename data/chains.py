@@ -14,6 +14,7 @@ annotations, data/prepare_mawps.py from MAWPS's and ASDiv-A's prefix equations; 
    a tool turn, then what the code printed and the answer in \\boxed{}.
 """
 import ast
+import json
 import keyword
 import os
 import random
@@ -120,6 +121,15 @@ def printed_matches(result, final: str) -> bool:
     """Whether the last call printed the final answer (what a chain that computes it does)."""
     printed = as_number(result.stdout.strip()) if result.status == "ok" else None
     return printed is not None and as_number(final) is not None and abs(printed - as_number(final)) <= 1e-6
+
+
+def write_sets(out: str, sets: dict) -> None:
+    """Each {file name: items} as a JSONL file in `out`, an item a line; prints each file's count."""
+    os.makedirs(out, exist_ok=True)
+    for file, items in sets.items():
+        with open(os.path.join(out, file), "w") as f:
+            f.writelines(json.dumps(item) + "\n" for item in items)
+        print(f"{os.path.join(out, file)}: {len(items)}")
 
 
 def conversation(question: str, reasoning: str, calls: list[str], results: list, answer: str) -> list[dict]:

@@ -24,7 +24,6 @@ The three sets are disjoint by construction (one shuffled list, cut in three). U
 this one carries reasoning: a 135M model has none of its own to call a tool from (docs/paper_differences.md).
 """
 import argparse
-import json
 import os
 import random
 import re
@@ -34,7 +33,7 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hub  # noqa: E402  (data/hub.py)
 from chains import (Skip, chain_code, conversation, plan_calls, printed_matches,  # noqa: E402
-                    quantity_name, run_calls)
+                    quantity_name, run_calls, write_sets)
 from grading import as_number  # noqa: E402
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
@@ -128,14 +127,10 @@ def main():
                  "steps": len(ANNOTATION.findall(rows[i]["answer"]))} for i in ids]
         return [p for p in kept if p["answer"] is not None]
 
-    os.makedirs(args.out, exist_ok=True)
     train = problems(train_ids)
     easy = [p for p in train if p["steps"] <= args.easy_steps]
-    for file, items in (("test.jsonl", problems(test_ids)), ("train.jsonl", train), ("easy.jsonl", easy),
-                        ("sft.jsonl", conversations)):
-        with open(os.path.join(args.out, file), "w") as f:
-            f.writelines(json.dumps(item) + "\n" for item in items)
-        print(f"{os.path.join(args.out, file)}: {len(items)}")
+    write_sets(args.out, {"test.jsonl": problems(test_ids), "train.jsonl": train, "easy.jsonl": easy,
+                          "sft.jsonl": conversations})
     n_fixed = sum(len(c["messages"]) > 4 for c in conversations)
     print(f"SFT: {len(conversations)} of {len(sft_ids)} solutions converted, {n_fixed} with a failing first "
           f"call; left out: {dict(counts) or 'none'}")

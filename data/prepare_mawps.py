@@ -23,7 +23,6 @@ disjoint: one shuffled list, cut in three.
 """
 import argparse
 import csv
-import json
 import os
 import random
 import re
@@ -32,7 +31,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from chains import (Skip, chain_code, conversation, plan_calls, printed_matches,  # noqa: E402
-                    quantity_name, run_calls)
+                    quantity_name, run_calls, write_sets)
 
 CSV = "../shared/data/mawps_asdiv/train.csv"
 MASK = re.compile(r"\bnumber(\d+)\b")
@@ -240,13 +239,8 @@ def main():
         msgs = conversation(question, reasoning, calls, [results[c] for c in calls], answer)
         conversations.append({"messages": msgs})
 
-    os.makedirs(args.out, exist_ok=True)
-    sets = {"test.jsonl": [problem(i) for i in test], "train.jsonl": [problem(i) for i in train],
-            "sft.jsonl": conversations}
-    for file, items in sets.items():
-        with open(os.path.join(args.out, file), "w") as f:
-            f.writelines(json.dumps(item) + "\n" for item in items)
-        print(f"{os.path.join(args.out, file)}: {len(items)}")
+    write_sets(args.out, {"test.jsonl": [problem(i) for i in test], "train.jsonl": [problem(i) for i in train],
+                          "sft.jsonl": conversations})
     n_fixed = sum(len(c["messages"]) > 4 for c in conversations)
     print(f"{len(records)} distinct problems; SFT: {len(conversations)} of {len(sft)} converted, "
           f"{n_fixed} with a failing first call; left out: {dict(counts) or 'none'}")
