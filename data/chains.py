@@ -123,6 +123,19 @@ def printed_matches(result, final: str) -> bool:
     return printed is not None and as_number(final) is not None and abs(printed - as_number(final)) <= 1e-6
 
 
+def conversations(plans: list[tuple[str, str, list[str], str]], counts) -> list[dict]:
+    """The SFT conversations {"messages"} of (question, reasoning, calls, answer) plans, every call run
+    once in the sandbox; a plan whose last call does not print its answer is left out and counted."""
+    results = run_calls([calls for _, _, calls, _ in plans])  # the model sees exactly what it sees in RL
+    made = []
+    for question, reasoning, calls, answer in plans:
+        if not printed_matches(results[calls[-1]], answer):
+            counts["the code does not print the answer"] += 1
+            continue
+        made.append({"messages": conversation(question, reasoning, calls, [results[c] for c in calls], answer)})
+    return made
+
+
 def write_sets(out: str, sets: dict) -> None:
     """Each {file name: items} as a JSONL file in `out`, an item a line; prints each file's count."""
     os.makedirs(out, exist_ok=True)

@@ -32,8 +32,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hub  # noqa: E402  (data/hub.py)
-from chains import (Skip, chain_code, conversation, plan_calls, printed_matches,  # noqa: E402
-                    quantity_name, run_calls, write_sets)
+from chains import Skip, chain_code, conversations, plan_calls, quantity_name, write_sets  # noqa: E402
 from grading import as_number  # noqa: E402
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
@@ -103,7 +102,7 @@ def main():
     train_ids = order[args.n_test + args.n_sft:]
     counts, rng = Counter(), random.Random(args.seed + 1)
 
-    plans = []  # (row, reasoning, calls, final answer)
+    plans = []  # (question, reasoning, calls, final answer)
     for i in sft_ids:
         try:
             reasoning, steps, final = parse_solution(rows[i]["answer"])
@@ -111,16 +110,8 @@ def main():
         except Skip as e:
             counts[str(e)] += 1
             continue
-        plans.append((rows[i], reasoning, plan_calls(code, rng, args.error_share), final))
-
-    results = run_calls([calls for *_, calls, _ in plans])  # the model sees exactly what it sees in RL
-    conversations = []
-    for row, reasoning, calls, final in plans:
-        if not printed_matches(results[calls[-1]], final):
-            counts["the chain does not compute the final answer"] += 1
-            continue
-        msgs = conversation(row["question"], reasoning, calls, [results[c] for c in calls], final)
-        conversations.append({"messages": msgs})
+        plans.append((rows[i]["question"], reasoning, plan_calls(code, rng, args.error_share), final))
+    made = conversations(plans, counts)
 
     def problems(ids):
         kept = [{"question": rows[i]["question"], "answer": integer(rows[i]["answer"].rpartition("####")[2]),
@@ -130,9 +121,9 @@ def main():
     train = problems(train_ids)
     easy = [p for p in train if p["steps"] <= args.easy_steps]
     write_sets(args.out, {"test.jsonl": problems(test_ids), "train.jsonl": train, "easy.jsonl": easy,
-                          "sft.jsonl": conversations})
-    n_fixed = sum(len(c["messages"]) > 4 for c in conversations)
-    print(f"SFT: {len(conversations)} of {len(sft_ids)} solutions converted, {n_fixed} with a failing first "
+                          "sft.jsonl": made})
+    n_fixed = sum(len(c["messages"]) > 4 for c in made)
+    print(f"SFT: {len(made)} of {len(sft_ids)} solutions converted, {n_fixed} with a failing first "
           f"call; left out: {dict(counts) or 'none'}")
 
 

@@ -30,8 +30,7 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from chains import (Skip, chain_code, conversation, plan_calls, printed_matches,  # noqa: E402
-                    quantity_name, run_calls, write_sets)
+from chains import Skip, chain_code, conversations, plan_calls, quantity_name, write_sets  # noqa: E402
 
 CSV = "../shared/data/mawps_asdiv/train.csv"
 MASK = re.compile(r"\bnumber(\d+)\b")
@@ -229,20 +228,13 @@ def main():
     rest = [item for item in converted if item not in test]
     sft, train = rest[:args.n_sft], [item for item in rest[args.n_sft:] if integer(item[0]["Answer"])]
 
-    plans = [plan_calls(code, rng, args.error_share) for _, _, _, code, _, _ in sft]
-    results = run_calls(plans)  # every call runs: the model sees exactly what it will see in RL
-    conversations = []
-    for (record, question, reasoning, _, answer, _), calls in zip(sft, plans):
-        if not printed_matches(results[calls[-1]], answer):
-            counts["the code does not print the answer"] += 1
-            continue
-        msgs = conversation(question, reasoning, calls, [results[c] for c in calls], answer)
-        conversations.append({"messages": msgs})
-
+    plans = [(question, reasoning, plan_calls(code, rng, args.error_share), answer)
+             for _, question, reasoning, code, answer, _ in sft]
+    made = conversations(plans, counts)
     write_sets(args.out, {"test.jsonl": [problem(i) for i in test], "train.jsonl": [problem(i) for i in train],
-                          "sft.jsonl": conversations})
-    n_fixed = sum(len(c["messages"]) > 4 for c in conversations)
-    print(f"{len(records)} distinct problems; SFT: {len(conversations)} of {len(sft)} converted, "
+                          "sft.jsonl": made})
+    n_fixed = sum(len(c["messages"]) > 4 for c in made)
+    print(f"{len(records)} distinct problems; SFT: {len(made)} of {len(sft)} converted, "
           f"{n_fixed} with a failing first call; left out: {dict(counts) or 'none'}")
 
 
