@@ -132,7 +132,8 @@ def conversations(plans: list[tuple[str, str, list[str], str]], counts) -> list[
         if not printed_matches(results[calls[-1]], answer):
             counts["the code does not print the answer"] += 1
             continue
-        made.append({"messages": conversation(question, reasoning, calls, [results[c] for c in calls], answer)})
+        messages = conversation(question, reasoning, calls, [results[c] for c in calls], answer)
+        made.append({"messages": messages})
     return made
 
 
