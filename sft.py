@@ -15,6 +15,7 @@ tool call and instruction following, with the loss on assistant tokens only.
 7. --lora-rank r trains LoRA adapters on a frozen base instead (lora.py); the export is the merged model.
 """
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -30,6 +31,8 @@ from conversation import pad_token_id, render_messages
 from logprobs import SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
 from training import init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's recipe; a preset replaces some of them.
@@ -71,6 +74,9 @@ def get_args(argv=None):
                         help="1: recompute activations in backward to save memory")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and anything random")
     add_lora_flags(parser)  # --lora-rank and its settings: train adapters on a frozen base (lora.py)
+    parser.add_argument("--mmap-threshold", type=int, default=131072,
+                        help="bytes: a larger allocation gets a mapping of its own, returned when freed "
+                             "(0: glibc's default)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default; a tiny model on a shared CPU wants 1)")
     if preset := parser.parse_known_args(argv)[0].preset:  # a preset replaces defaults; explicit flags win
@@ -148,6 +154,17 @@ def assistant_nll_sum(model, samples, pad_id, device, prefix=None):
     return -(logp * loss_mask).sum()
 
 
+def return_freed_pages(threshold):
+    """glibc keeps the pages of freed tensors mapped for reuse, so on a CPU the resident memory climbs
+    with every longer batch (docs/words.md, bench/sft_memory.py). A threshold gives each allocation
+    above it a mapping of its own that goes back to the system when the tensor is freed."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): its allocator is left as it is
+        return False
+    return threshold > 0 and libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1
+
+
 def lr_at(step, total_steps, warmup_steps, lr):
     """Linear warm-up to lr, then cosine decay to 0."""
     if step < warmup_steps:
@@ -166,6 +183,8 @@ def main(argv=None):
     rank, local_rank, world_size, device = init_distributed()
     master = rank == 0
     torch.manual_seed(args.seed)
+    if device.type == "cpu":
+        return_freed_pages(args.mmap_threshold)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     if master:
         print(json.dumps(config, indent=2) + f"\nworld size {world_size}, device {device.type}")
