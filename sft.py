@@ -32,7 +32,10 @@ from logprobs import SharedPrefix, empty_pass, right_pad, shared_prefix_length, 
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
 from training import init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
+try:
+    LIBC = ctypes.CDLL("libc.so.6")  # glibc, whose malloc_trim returns freed pages to the system
+except OSError:  # macOS, musl: the allocator is left as it is
+    LIBC = None
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's recipe; a preset replaces some of them.
@@ -74,9 +77,8 @@ def get_args(argv=None):
                         help="1: recompute activations in backward to save memory")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and anything random")
     add_lora_flags(parser)  # --lora-rank and its settings: train adapters on a frozen base (lora.py)
-    parser.add_argument("--mmap-threshold", type=int, default=131072,
-                        help="bytes: a larger allocation gets a mapping of its own, returned when freed "
-                             "(0: glibc's default)")
+    parser.add_argument("--trim-memory", type=int, default=1,
+                        help="1: on a CPU, hand the pages freed in a step back to the system after it")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default; a tiny model on a shared CPU wants 1)")
     if preset := parser.parse_known_args(argv)[0].preset:  # a preset replaces defaults; explicit flags win
@@ -154,15 +156,12 @@ def assistant_nll_sum(model, samples, pad_id, device, prefix=None):
     return -(logp * loss_mask).sum()
 
 
-def return_freed_pages(threshold):
-    """glibc keeps the pages of freed tensors mapped for reuse, so on a CPU the resident memory climbs
-    with every longer batch (docs/words.md, bench/sft_memory.py). A threshold gives each allocation
-    above it a mapping of its own that goes back to the system when the tensor is freed."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): its allocator is left as it is
-        return False
-    return threshold > 0 and libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1
+def return_freed_pages():
+    """glibc keeps the pages of freed tensors for reuse, so on a CPU the resident memory after a step
+    climbs with every longer batch (docs/words.md, bench/sft_memory.py). Trimming after each step hands
+    them back: a step still reuses its own pages, and the next maps again only what it needs."""
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
 
 
 def lr_at(step, total_steps, warmup_steps, lr):
@@ -183,8 +182,6 @@ def main(argv=None):
     rank, local_rank, world_size, device = init_distributed()
     master = rank == 0
     torch.manual_seed(args.seed)
-    if device.type == "cpu":
-        return_freed_pages(args.mmap_threshold)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     if master:
         print(json.dumps(config, indent=2) + f"\nworld size {world_size}, device {device.type}")
@@ -260,6 +257,8 @@ def main(argv=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(nll_sum_local)
+        if args.trim_memory and device.type == "cpu":
+            return_freed_pages()
 
         # ---- logging ----
         if master:
