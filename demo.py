@@ -96,6 +96,8 @@ REAL = {
         sft=["--max-steps", "20", "--lr", "2e-4", "--max-len", "1280", "--micro-batch-tokens", "2048"]),
 }
 
+TRANSFER = {"SFT": "{runs}/eval_transfer_sft", "stage 3": "{runs}/eval_transfer"}  # a table of their own
+
 
 def real_recipe():
     """SmolLM2-135M-Instruct (from the package index) -> SFT on tool conversations -> three RL stages
@@ -143,11 +145,13 @@ def real_recipe():
         first = recipe.get("between", recipe["held_out"]) if i < 3 else recipe["held_out"]
         stages.append((f"evaluate stage {i}", columns[f"stage {i}"] + "/table.json",
                        evaluate(f"{runs}/stage{i}/final", columns[f"stage {i}"], first)))
-    if recipe.get("transfer"):  # the final model on another benchmark's held-out problems
+    if recipe.get("transfer"):  # the SFT and final models on another benchmark's held-out problems
         folder, prepare, first = recipe["transfer"]
-        stages += [(f"{folder}: its held-out problems", f"{folder}/test.jsonl", prepare),
-                   (f"evaluate stage 3 on {folder}/test.jsonl (transfer)", f"{runs}/eval_transfer/table.json",
-                    evaluate(f"{runs}/stage3/final", f"{runs}/eval_transfer", first, f"{folder}/test.jsonl"))]
+        stages.append((f"{folder}: its held-out problems", f"{folder}/test.jsonl", prepare))
+        for name, model in (("SFT", f"{runs}/sft"), ("stage 3", f"{runs}/stage3/final")):
+            out = TRANSFER[name].format(runs=runs)
+            stages.append((f"evaluate {name} on {folder}/test.jsonl (transfer)", out + "/table.json",
+                           evaluate(model, out, first, f"{folder}/test.jsonl")))
     return stages, columns, [(f"stage {i}", f"{runs}/stage{i}") for i in (1, 2, 3)], [world, runs]
 
 
@@ -180,6 +184,10 @@ for number, (title, done_file, cmd) in enumerate(stages, 1):
 # the RL curves (the real recipe's stages one after another).
 
 report.print_table(columns, args.samples)
+if args.real and REAL[args.real].get("transfer"):
+    print(f"\ntransfer: {REAL[args.real]['transfer'][0]}")
+    report.print_table({name: out.format(runs=REAL[args.real]["runs"]) for name, out in TRANSFER.items()},
+                       args.samples)
 for title, minutes in times:
     print(f"time: {minutes:5.1f} min  {title}")
 report.plot_curves(curves, plot, "SmolLM2-135M-Instruct, three RL stages" if args.real else
