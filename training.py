@@ -129,9 +129,10 @@ def expandable_segments(on: bool) -> None:
 def load_sharded_model(path: str, device, activation_checkpointing: bool = False, lora: dict | None = None,
                        frozen: bool = False):
     """The model at `path`, sharded: fp32, or with `lora` (lora.lora_settings) a frozen base (bf16 on GPUs)
-    and fp32 adapters, or `frozen` whole (a reference policy, in the base's dtype). Only rank 0 reads the weights (a node holds one full copy, not one per rank: 8 x
-    59 GB at 14B); the others build it on the meta device, and rank 0's state and buffers (rotary
-    frequencies) are broadcast into every rank's shards. The trainer's memory: expandable segments."""
+    and fp32 adapters, or `frozen` whole (a reference policy, in the base's dtype). Only rank 0 reads
+    the weights (a node holds one full copy, not one per rank: 8 x 59 GB at 14B); the others build it
+    on the meta device, and rank 0's state and buffers (rotary frequencies) are broadcast into every
+    rank's shards. The trainer's memory: expandable segments."""
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = base_dtype(device) if lora or frozen else torch.float32
     expandable_segments(True)

@@ -274,7 +274,6 @@ def test_two_rank_fsdp_matches_one_process(world, tmp_path):
         assert torch.allclose(one[k], two[k], atol=1e-5), f"{k}: two-rank FSDP2 weights differ from one process"
 
 
-
 # What a step of a CPU run does to the allocator: tensors of many sizes made and freed while small
 # ones stay alive between them. glibc's thresholds are set to where its own adjustment takes them
 # during a run (freed tensors stay on the heap), so that the test does not depend on when it does.
