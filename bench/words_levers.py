@@ -1,7 +1,7 @@
 """The words recipe's levers, one moved at a time, measured on training problems that no arm trains on.
 
     .venv/bin/python demo.py --real            # first: the SFT model and stage 1 this bench starts from
-    .venv/bin/python bench/words_levers.py     # then the arms (about two hours on 2 cores), and a table
+    .venv/bin/python bench/words_levers.py     # then the arms (2.5 hours on 2 cores), and a table
 
 Each RL arm is stage 1 of the words recipe (demo.py: 6 steps from the SFT model, 320 tokens, T = 3,
 lr 5e-5, 8 problems a step, 8 rollouts a problem down-sampled to 4 by RoC, dynamic sampling with up to
@@ -47,16 +47,16 @@ def stage1(out_dir: str, problems=8, rollouts=8, group=4, model=f"{RUNS}/sft", d
 
 # A column -> the model it evaluates and the command that makes it (None: demo.py --real makes it).
 ARMS = {
-    "SFT, 24 steps": (f"{RUNS}/sft", None),
-    "stage 1 (dyn. sampling)": (f"{RUNS}/stage1/final", None),
+    "SFT 24": (f"{RUNS}/sft", None),
+    "stage 1": (f"{RUNS}/stage1/final", None),
     "stage 2": (f"{RUNS}/stage2/final", None),
     "stage 3": (f"{RUNS}/stage3/final", None),
-    "no dyn. sampling": (f"{OUT}/no_dynamic/final", stage1(f"{OUT}/no_dynamic")),
-    "16 problems a step": (f"{OUT}/problems16/final", stage1(f"{OUT}/problems16", problems=16)),
-    "SFT, 48 steps": (f"{OUT}/sft48", [*SFT, "--max-steps", "48", "--out-dir", f"{OUT}/sft48"]),
-    "16 rollouts, keep 8": (f"{OUT}/rollouts16/final", stage1(f"{OUT}/rollouts16", rollouts=16, group=8)),
-    "SFT 48, stage 1": (f"{OUT}/sft48_stage1/final",
-                        stage1(f"{OUT}/sft48_stage1", model=f"{OUT}/sft48", dynamic=True)),
+    "no dyn. samp.": (f"{OUT}/no_dynamic/final", stage1(f"{OUT}/no_dynamic")),
+    "16 problems": (f"{OUT}/problems16/final", stage1(f"{OUT}/problems16", problems=16)),
+    "SFT 48": (f"{OUT}/sft48", [*SFT, "--max-steps", "48", "--out-dir", f"{OUT}/sft48"]),
+    "16 rollouts": (f"{OUT}/rollouts16/final", stage1(f"{OUT}/rollouts16", rollouts=16, group=8)),
+    "SFT 48 + st. 1": (f"{OUT}/sft48_stage1/final",
+                       stage1(f"{OUT}/sft48_stage1", model=f"{OUT}/sft48", dynamic=True)),
 }
 
 os.makedirs(OUT, exist_ok=True)
@@ -93,6 +93,6 @@ for column, (model, make) in ARMS.items():
     run(["eval.py", "--model", model, "--out-dir", columns[column], "--benchmarks", slice_file, "--n", "2",
          "--max-response", "384", *KV, "--max-turns", "6"], f"{columns[column]}/table.json")
 report.print_table(columns, 2)
-gain, se, n = report.paired_gain(columns["SFT, 48 steps"], columns["SFT 48, stage 1"])
-print(f"SFT 48, stage 1: {100 * gain:+.1f} points over the 48-step SFT model (paired standard error "
+gain, se, n = report.paired_gain(columns["SFT 48"], columns["SFT 48 + st. 1"])
+print(f"SFT 48 + st. 1: {100 * gain:+.1f} points over the 48-step SFT model (paired standard error "
       f"{100 * se:.1f} over {n} problems)")
