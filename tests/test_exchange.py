@@ -125,6 +125,7 @@ def _rank_main(out: str):
               "tokens_equal": all(same_tokens(t, rolled_out(t.index, t.sample)) for t in with_tokens)}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
+    dist.barrier()  # no rank tears gloo down while the other may still be talking to it
     dist.destroy_process_group()
 
 
