@@ -2,9 +2,13 @@
 
 A chain is a list of steps (name, expression, result): `clips_in_may = 48 / 2`, then
 `total = 48 + clips_in_may`. data/prepare_gsm8k.py reads its chains from GSM8K's calculator
-annotations, data/prepare_mawps.py from MAWPS's and ASDiv-A's prefix equations; both then use:
-1. quantity_name: a Python name for a quantity from the words next to it ("24 clips in May" ->
-   clips_in_may), unique in the chain;
+annotations, data/prepare_mawps.py from MAWPS's and ASDiv-A's prefix equations; both then use one of
+two styles (--style in both scripts), and then the rest:
+1. named: quantity_name, a Python name for a quantity from the words next to it ("24 clips in May"
+   -> clips_in_may), unique in the chain; the reasoning says in words what combines and why;
+   formulaic: the reasoning states each operation on numbers and its value ("First, 15 - 6 = 9. So
+   the answer is 9 * 7 = 63.") and the code repeats it (`step1 = 15 - 6`, `answer = step1 * 7`).
+   A 135M model copies the second far better (docs/words.md: "Named or formulaic");
 2. chain_code: the code of the chain, each step a named line, a number that an earlier step computed
    used by that step's name, the last result printed;
 3. broken_code: a first call that fails (an unclosed parenthesis, or a name never defined), which
@@ -57,6 +61,27 @@ def quantity_name(words: str, used: set, fallback: str, stop: set = frozenset(),
         name, n = f"{base}_{n}", n + 1
     used.add(name)
     return name
+
+
+def formulaic(operations: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str, str]]]:
+    """(expression, result) per operation, in the order computed -> (the reasoning, the chain's steps).
+    The reasoning states every operation on numbers with its value, an earlier result by its value;
+    the steps are step1, step2, ... and answer, for chain_code, which puts the names back."""
+    if not operations:
+        raise Skip("no calculator annotation")
+    sentences, steps = [], []
+    for i, (expression, result) in enumerate(operations, 1):
+        try:
+            expression = ast.unparse(ast.parse(expression, mode="eval"))  # "48/2" -> "48 / 2"
+        except SyntaxError:
+            raise Skip("an annotation that is not Python") from None
+        last = i == len(operations)
+        lead = "First," if i == 1 else "Then,"
+        if last:
+            lead = "So the answer is" if i > 1 else "The answer is"
+        sentences.append(f"{lead} {expression} = {result}.")
+        steps.append(("answer" if last else f"step{i}", expression, result))
+    return " ".join(sentences), steps
 
 
 def chain_code(steps: list[tuple[str, str, str]]) -> str:

@@ -10,11 +10,15 @@ What it writes into --out, deterministically from --seed:
 2. sft.jsonl: --n-sft conversations {"messages"} in the rollout's format, each built from an equation:
    - the question as people read it: numbers put back, the tokenization undone (`books in total ?` ->
      `books in total?`, `$ 5` -> `$5`); lower-cased problems stay lower-cased, as published;
-   - a short reasoning in words: which quantities combine and why, never the result;
-   - a tool call whose code names each quantity from the problem's words (`books = 56`,
-     `bookshelves = 9`, `total_books = books * bookshelves`), computes the equation and prints it;
+   - --style formulaic (the default): a reasoning that states each operation on numbers and its
+     value ("First, 15 - 6 = 9. So the answer is 9 * 7 = 63."), and a call whose code repeats it
+     (`step1 = 15 - 6`, `answer = step1 * 7`, `print(answer)`);
+     --style named: a reasoning in words (which quantities combine and why, never the result), and
+     code that names each quantity from the problem's words (`books = 56`, `bookshelves = 9`,
+     `total_books = books * bookshelves`);
    - the tool's output as the sandbox prints it, then the answer in \\boxed{}.
-   A share (--error-share) first makes a call that fails and is fixed in the next turn. The chain's
+   A share (--error-share) first makes a call that fails and is fixed in the next turn; --multi-share
+   repeats conversations of two or more operations until they are that share of the file. The chain's
    code, its failing calls and the messages come from data/chains.py, as GSM8K's do.
 3. train.jsonl: the remaining problems with an integer answer, for RL, each with its number of
    operations ("steps").
@@ -30,7 +34,8 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from chains import Skip, chain_code, conversations, plan_calls, quantity_name, write_sets  # noqa: E402
+from chains import (Skip, chain_code, conversations, formulaic, plan_calls, quantity_name,  # noqa: E402
+                    write_sets)
 
 CSV = "../shared/data/mawps_asdiv/train.csv"
 MASK = re.compile(r"\bnumber(\d+)\b")
@@ -125,8 +130,9 @@ def asked_noun(ask: str) -> str:
     return ""
 
 
-def convert(record: dict) -> tuple[str, str, list[tuple[str, str, str]], str, int]:
-    """(question, reasoning, chain of steps for chains.chain_code, answer, operations) of one record."""
+def convert(record: dict, style: str = "formulaic") -> tuple[str, str, list[tuple[str, str, str]], str, int]:
+    """(question, reasoning, chain of steps for chains.chain_code, answer, operations) of one record,
+    in the formulaic style (each operation on numbers) or the named one (each quantity a name)."""
     numbers = record["Numbers"].split()
     tree = parse_prefix(record["Equation"])
     leaves, operations = [], []
@@ -139,6 +145,20 @@ def convert(record: dict) -> tuple[str, str, list[tuple[str, str, str]], str, in
         walk(node[2])
         operations.append(node)
     walk(tree)
+    question, answer = detokenize(unmask(record["Question"], numbers)), number_text(record["Answer"])
+
+    def value_of(node):
+        if isinstance(node, str):
+            return float(numbers[int(node[6:])])
+        a, b = value_of(node[1]), value_of(node[2])
+        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else float("nan")}[node[0]]
+
+    if style == "formulaic":  # an inner result is said by its value, rounded; the code uses its name
+        def shown(node):
+            return number_text(str(round(value_of(node), 6)))
+        reasoning, steps = formulaic([(f"{shown(op[1])} {op[0]} {shown(op[2])}", shown(op))
+                                      for op in operations])
+        return question, reasoning, steps, answer, len(operations)
     names = leaf_names(record["Question"], numbers, leaves)
     steps = [(names[leaf], number_text(numbers[int(leaf[6:])]), number_text(numbers[int(leaf[6:])]))
              for leaf in sorted(names, key=lambda leaf: int(leaf[6:]))]
@@ -146,12 +166,6 @@ def convert(record: dict) -> tuple[str, str, list[tuple[str, str, str]], str, in
 
     def name_of(node):
         return names[node] if isinstance(node, str) else words[id(node)][0]
-
-    def value_of(node):
-        if isinstance(node, str):
-            return float(numbers[int(node[6:])])
-        a, b = value_of(node[1]), value_of(node[2])
-        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else float("nan")}[node[0]]
 
     noun = asked_noun(record["Ques"])
     sentences = [f"The question: {detokenize(unmask(record['Ques'], numbers))}"]
@@ -174,8 +188,7 @@ def convert(record: dict) -> tuple[str, str, list[tuple[str, str, str]], str, in
         sentence = WHY[op].format(a=say(left), b=say(right), r=spoken(name))
         sentences.append(sentence[0].upper() + sentence[1:])
     sentences.append("I will let the code compute it.")
-    question = detokenize(unmask(record["Question"], numbers))
-    return question, " ".join(sentences), steps, number_text(record["Answer"]), len(operations)
+    return question, " ".join(sentences), steps, answer, len(operations)
 
 
 def integer(answer: str) -> str | None:
@@ -195,8 +208,14 @@ def main():
     parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
     parser.add_argument("--n-sft", type=int, default=1200,
                         help="problems whose equations become SFT conversations")
+    parser.add_argument("--style", choices=["formulaic", "named"], default="formulaic",
+                        help="formulaic: each operation on numbers, in the reasoning and the code; named: "
+                             "each quantity a Python name from the problem's words")
     parser.add_argument("--error-share", type=float, default=0.25, help="share of SFT conversations whose "
                         "first call fails and is fixed")
+    parser.add_argument("--multi-share", type=float, default=0.0,
+                        help="repeat SFT conversations of two or more operations until they are this share "
+                             "of sft.jsonl (0: as drawn)")
     args = parser.parse_args()
     if not os.path.exists(args.csv):
         sys.exit(f"mawps: no file {args.csv}\n---> HINT: pass --csv with the path of the SVAMP authors' "
@@ -213,7 +232,7 @@ def main():
     counts, rng, converted = Counter(), random.Random(args.seed + 1), []
     for record in records:
         try:
-            question, reasoning, steps, answer, operations = convert(record)
+            question, reasoning, steps, answer, operations = convert(record, args.style)
             code = chain_code(steps)
         except (Skip, ValueError, ZeroDivisionError) as e:
             counts[str(e) if isinstance(e, Skip) else "an equation that does not compute"] += 1
@@ -231,11 +250,18 @@ def main():
     plans = [(question, reasoning, plan_calls(code, rng, args.error_share), answer)
              for _, question, reasoning, code, answer, _ in sft]
     made = conversations(plans, counts)
+    n_made, n_fixed = len(made), sum(len(c["messages"]) > 4 for c in made)
+    operations = {item[1]: item[5] for item in sft}  # (a question -> its operations; questions are distinct)
+    multi = [c for c in made if operations[c["messages"][0]["content"]] > 1]
+    if multi and args.multi_share > len(multi) / len(made):
+        repeats = round(args.multi_share * (len(made) - len(multi)) / (1 - args.multi_share)) - len(multi)
+        made += rng.choices(multi, k=repeats)
+        rng.shuffle(made)
     write_sets(args.out, {"test.jsonl": [problem(i) for i in test], "train.jsonl": [problem(i) for i in train],
                           "sft.jsonl": made})
-    n_fixed = sum(len(c["messages"]) > 4 for c in made)
-    print(f"{len(records)} distinct problems; SFT: {len(made)} of {len(sft)} converted, "
-          f"{n_fixed} with a failing first call; left out: {dict(counts) or 'none'}")
+    print(f"{len(records)} distinct problems; SFT ({args.style}): {n_made} of {len(sft)} converted, "
+          f"{n_fixed} with a failing first call, {len(multi)} of two or more operations, "
+          f"{len(made) - n_made} repeats of those; left out: {dict(counts) or 'none'}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]
 
-from chains import chain_code  # noqa: E402
+from chains import chain_code, conversation, printed_matches  # noqa: E402
 from conversation import ToolCall, parse_tool_call, render_assistant_turn  # noqa: E402
 from prepare_mawps import CSV, convert, detokenize, leaf_names, number_text  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_the_detokenizer_gives_the_text_people_wrote():
 
 
 def test_a_one_step_problem_becomes_named_code_and_a_reasoning_that_does_not_give_the_result():
-    question, reasoning, steps, answer, operations = convert(BRYAN)
+    question, reasoning, steps, answer, operations = convert(BRYAN, "named")
     assert question == ("Bryan took a look at his books as well. If Bryan has 56 books in each of his 9 "
                         "bookshelves, how many books does he have in total?")
     assert chain_code(steps) == \
@@ -58,16 +58,47 @@ def test_a_one_step_problem_becomes_named_code_and_a_reasoning_that_does_not_giv
 
 
 def test_a_two_step_problem_computes_the_inner_operation_first_and_uses_it_by_name():
-    question, reasoning, steps, answer, operations = convert(CONNER)
+    question, reasoning, steps, answer, operations = convert(CONNER, "named")
     assert question.endswith("How much money will Conner have in his account after 8 months?")
     assert chain_code(steps) == ("dollars = 25000\ndollars_2 = 1500\nmonths = 8\nproduct = dollars_2 * months\n"
                                  "money_left = dollars - product\nprint(money_left)")
     assert (answer, operations) == ("13000", 2)
     assert reasoning.index("multiply") < reasoning.index("subtract"), "the steps are said in the order computed"
     assert "13000" not in reasoning and "12000" not in reasoning
-    code = chain_code(convert(DAVE)[2])
+    code = chain_code(convert(DAVE, "named")[2])
     assert code.endswith("total = short_sleeve + long_sleeve\nanswer = total - washed\nprint(answer)"), \
         "an ask without a noun ('how many did he not wash') names the result answer"
+
+
+def test_a_one_step_problem_in_the_formulaic_style_states_the_operation_and_its_code_repeats_it(sandbox):
+    question, reasoning, steps, answer, operations = convert(BRYAN)  # (the default style)
+    assert question.endswith("how many books does he have in total?") and (answer, operations) == ("504", 1)
+    assert reasoning == "The answer is 56 * 9 = 504."
+    code = chain_code(steps)
+    assert code == "answer = 56 * 9\nprint(answer)"
+    result = sandbox.run_batch([code])[0]
+    messages = conversation(question, reasoning, [code], [result], answer)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[1]["content"] == "The answer is 56 * 9 = 504.</reason>"
+    assert messages[1]["tool_call"]["code"] == code
+    assert messages[2]["content"] == "504", "the tool's output is what the sandbox printed"
+    assert messages[3]["content"] == "The code printed 504.</reason><answer>\\boxed{504}</answer>"
+
+
+def test_a_two_step_problem_in_the_formulaic_style_uses_the_first_result_by_its_step_name(sandbox):
+    question, reasoning, steps, answer, operations = convert(CONNER, "formulaic")
+    assert reasoning == "First, 1500 * 8 = 12000. So the answer is 25000 - 12000 = 13000."
+    code = chain_code(steps)
+    assert code == "step1 = 1500 * 8\nanswer = 25000 - step1\nprint(answer)", \
+        "the inner operation comes first; its result is used by its step's name, not its value"
+    result = sandbox.run_batch([code])[0]
+    assert result.stdout == "13000\n" and printed_matches(result, answer) and operations == 2
+    _, reasoning, steps, _, _ = convert(DAVE, "formulaic")
+    assert reasoning == "First, 9 + 27 = 36. So the answer is 36 - 20 = 16."
+    assert chain_code(steps) == "step1 = 9 + 27\nanswer = step1 - 20\nprint(answer)"
+    _, reasoning, steps, answer, _ = convert(KENDRA, "formulaic")
+    assert reasoning == "First, 0.25 + 0.375 = 0.625. So the answer is 0.625 + 0.125 = 0.75."
+    assert sandbox.run_batch([chain_code(steps)])[0].stdout == "0.75\n" and answer == "0.75"
 
 
 def test_names_come_from_the_words_next_to_each_number():
@@ -93,18 +124,26 @@ def test_the_call_parses_back_and_runs_to_the_answer(sandbox):
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, CSV)), reason=f"{CSV} is not here (shared data)")
 def test_the_script_holds_out_problems_and_writes_disjoint_sets_of_integer_answers(tmp_path):
     run = subprocess.run([sys.executable, "data/prepare_mawps.py", "--out", str(tmp_path), "--n-test", "300",
-                          "--n-sft", "200", "--error-share", "0.5"], cwd=ROOT, capture_output=True, text=True,
+                          "--n-sft", "200", "--error-share", "0.5", "--multi-share", "0.6"], cwd=ROOT,
+                         capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
     read = {name: [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
             for name in ("test", "train", "sft")}
     test, train = read["test"], read["train"]
     sft = [c["messages"][0]["content"] for c in read["sft"]]
-    assert len(test) == 300 and len(train) > 1000 and 190 <= len(sft) <= 200
+    multi = [c for c in read["sft"] if c["messages"][1]["content"].startswith("First, ")]
+    assert abs(len(multi) / len(sft) - 0.6) < 0.01, "--multi-share repeats conversations of two operations"
+    assert all(c["messages"][1]["content"].startswith("The answer is ") for c in read["sft"]
+               if c not in multi)
+    distinct = {json.dumps(c) for c in read["sft"]}
+    assert 190 <= len(distinct) <= 200 < len(sft), "the repeats come on top of the converted problems"
+    assert len(test) == 300 and len(train) > 1000
+    sft = sorted(set(sft))
     questions = [p["question"] for p in test + train] + sft
     assert len(set(questions)) == len(questions), "held-out, RL and SFT problems must be disjoint"
     assert all(p["answer"].lstrip("-").isdigit() and p["steps"] >= 1 for p in test + train), \
         "RL and held-out problems have integer answers and record their operations"
     assert not any("number0" in q or " ?" in q for q in questions), "numbers unmasked, tokenization undone"
-    fixed = sum(len(c["messages"]) > 4 for c in read["sft"])
-    assert 0.3 < fixed / len(sft) < 0.7, "about --error-share of the conversations fix a failing first call"
+    fixed = sum(len(json.loads(c)["messages"]) > 4 for c in distinct)
+    assert 0.3 < fixed / len(distinct) < 0.7, "about --error-share of the conversations fix a failing first call"
