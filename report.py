@@ -23,6 +23,17 @@ def per_problem(folder: str) -> dict:
     return {problem: statistics.mean(c) for problem, c in correct.items()}
 
 
+def accuracy_by_operations(folder: str, benchmark_file: str) -> dict:
+    """avg@n of an evaluation per number of operations ("steps") of its problems, in benchmark_file's
+    order: {1: accuracy, 2: ...}, problems of two or more operations counted as 2."""
+    with open(benchmark_file) as f:
+        steps = [min(2, json.loads(line).get("steps", 1)) for line in f]
+    by_steps = defaultdict(list)
+    for (_, problem), accuracy in per_problem(folder).items():
+        by_steps[steps[problem]].append(accuracy)
+    return {k: statistics.mean(v) for k, v in sorted(by_steps.items())}
+
+
 def paired_gain(base_folder: str, folder: str) -> tuple[float, float, int]:
     """(mean gain in avg@n, its standard error, problems) of one evaluation over another of the same
     problems. Paired: the gain of each problem is taken first, so that how hard a problem is (most of

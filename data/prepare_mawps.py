@@ -153,8 +153,10 @@ def convert(record: dict, style: str = "formulaic") -> tuple[str, str, list[tupl
         a, b = value_of(node[1]), value_of(node[2])
         return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else float("nan")}[node[0]]
 
-    if style == "formulaic":  # an inner result is said by its value, rounded; the code uses its name
+    if style == "formulaic":  # a number as the problem prints it; an inner result by its value, rounded
         def shown(node):
+            if isinstance(node, str):
+                return number_text(numbers[int(node[6:])])
             return number_text(str(round(value_of(node), 6)))
         reasoning, steps = formulaic([(f"{shown(op[1])} {op[0]} {shown(op[2])}", shown(op))
                                       for op in operations])
