@@ -8,7 +8,8 @@ tool call and instruction following, with the loss on assistant tokens only.
 2. Conversations are rendered by conversation.render_messages: loss_mask = assistant tokens.
 3. FSDP2 per decoder layer, rank 0 reading the weights (bf16 compute on GPU); `python sft.py` is a
    group of one (training.py).
-4. A step's batch is dealt across ranks and cut into micro-batches (training.plan_micro_batches).
+4. A step's batch is dealt across ranks and packed into micro-batches (training.plan_micro_batches):
+   rows run back to back without padding (logprobs.token_logprobs(packed=True)).
 5. Loss = mean over the step's assistant tokens (global count): any split, same gradient.
 6. Without activation checkpointing, the tokens every conversation of a step starts with (the system
    prompt) run once for the step, not once per conversation (logprobs.SharedPrefix).
@@ -145,14 +146,15 @@ def tokenize_conversations(tokenizer, conversations, path, max_len):
 # Loss and schedule.
 
 def assistant_nll_sum(model, samples, pad_id, device, prefix=None):
-    """Sum of -log p(token) over the assistant tokens (loss mask 1) of (ids, loss_mask) samples.
-    Position t predicts token t+1, so the mask is read one to the right. `prefix`: a SharedPrefix
-    that every sample starts with (run once per step; then each chunk's logits are kept)."""
+    """Sum of -log p(token) over the assistant tokens (loss mask 1) of (ids, loss_mask) samples, the
+    rows packed: no padding runs (4). Position t predicts token t+1, so the mask is read one to the
+    right. `prefix`: a SharedPrefix every sample starts with (run once per step; then each chunk's
+    logits are kept)."""
     input_ids = right_pad([ids for ids, _ in samples], pad_id).to(device)                 # (B, T)
     attention_mask = right_pad([[1] * len(ids) for ids, _ in samples], 0).to(device)     # (B, T)
     loss_mask = right_pad([mask[1:] for _, mask in samples], 0).to(device)               # (B, T-1)
     logp = token_logprobs(model, input_ids, attention_mask, prefix=prefix,             # (B, T-1)
-                          recompute=prefix is None)
+                          recompute=prefix is None, packed=True)
     return -(logp * loss_mask).sum()
 
 
@@ -229,10 +231,10 @@ def main(argv=None):
         # without activation checkpointing those run once for the step (logprobs.SharedPrefix) (6)
         shared = shared_prefix_length([samples[i][0] for i in batch]) if not checkpointing else 0
         run = [lengths[i] - shared for i in batch]  # the tokens each conversation runs
-        plan = plan_micro_batches(run, args.micro_batch_tokens, world_size)  # (4)
+        plan = plan_micro_batches(run, args.micro_batch_tokens, world_size, packed=True)  # (4)
         n_loss_tokens = max(1, sum(n_assistant[i] for i in batch))  # the global denominator (5)
         n_tokens = sum(lengths[i] for i in batch)
-        n_padded = sum(len(mb) * lengths[batch[mb[0]]] for rank_plan in plan for mb in rank_plan if mb)
+        n_run = shared + sum(run)  # what the layers run: the prefix once, then each conversation's rest
 
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = lr_at(step, total_steps, warmup_steps, peak)
@@ -265,13 +267,13 @@ def main(argv=None):
             seconds = time.time() - t0
             row = dict(step=step + 1, epoch=round((step + 1) / steps_per_epoch, 4),
                        loss=nll_sum_local.item() / n_loss_tokens, lr=lr, grad_norm=grad_norm.item(),
-                       n_loss_tokens=n_loss_tokens, tokens=n_tokens, padding=1 - n_tokens / n_padded,
+                       n_loss_tokens=n_loss_tokens, tokens=n_tokens, tokens_run=n_run, shared_prefix=shared,
                        micro_batches=len(plan[0]), tokens_per_s=n_tokens / seconds, seconds=seconds,
                        resident_gib=psutil.Process().memory_info().rss / 2**30)  # (the host's, this rank)
             tqdm.write(f"step {step + 1:5d}/{total_steps} | epoch {row['epoch']:6.3f} "
                        f"| loss {row['loss']:.4f} "
                        f"| lr {lr:.2e} | grad norm {row['grad_norm']:7.3f} | tokens {n_tokens:7d} "
-                       f"(pad {row['padding']:5.1%}, {len(plan[0])} mb) | {row['tokens_per_s']:7.0f} tok/s "
+                       f"(run {n_run}, {len(plan[0])} mb) | {row['tokens_per_s']:7.0f} tok/s "
                        f"| {seconds:6.2f} s | RSS {row['resident_gib']:.2f} GiB")
             metrics_file.write(json.dumps(row) + "\n")
 

@@ -118,6 +118,20 @@ def test_padding_and_micro_batch_split_give_the_same_gradient(world):
     model.zero_grad()
 
 
+def test_a_micro_batch_runs_its_tokens_and_no_padding(world):
+    model, pad_id = world["model"], world["tokenizer"].pad_token_id
+    samples = [render_messages(world["tokenizer"], world["rows"][i]["messages"]) for i in range(4)]
+    assert len({len(ids) for ids, _ in samples}) > 1, "the rows must differ in length for padding to show"
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, out: seen.append(out.shape[:2]))
+    try:
+        sft.assistant_nll_sum(model, samples, pad_id, "cpu")
+    finally:
+        hook.remove()
+    assert [tuple(s) for s in seen] == [(1, sum(len(ids) for ids, _ in samples))], \
+        "the rows must run back to back (packed), not padded to the longest"
+
+
 def test_micro_batches_fit_the_budget_cover_every_sequence_and_balance_ranks():
     lengths = [5, 30, 12, 7, 30, 1, 19]
     (batches,) = plan_micro_batches(lengths, budget=40, world_size=1)
@@ -170,7 +184,9 @@ def test_script_trains_logs_and_saves_a_loadable_checkpoint(world, tmp_path):
     run_sft(world, tmp_path / "a", "--epochs", "1")
     rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3], "11 conversations at 4 per step is 3 steps per epoch"
-    assert rows[-1]["epoch"] == 1.0 and all(0 <= r["padding"] < 1 for r in rows)
+    assert rows[-1]["epoch"] == 1.0
+    assert [r["tokens"] - r["tokens_run"] for r in rows] == [(n - 1) * r["shared_prefix"] for n, r in
+                                                             zip([4, 4, 3], rows)], "the prefix runs once a step"
     assert sum(r["n_loss_tokens"] for r in rows) == sum(sum(render_messages(world["tokenizer"], r["messages"])[1])
                                                         for r in world["rows"]), "an epoch must see every assistant token once"
     assert json.load(open(tmp_path / "a" / "sft_config.json"))["batch_size"] == 4
