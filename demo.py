@@ -36,12 +36,10 @@ parser.add_argument("--real", nargs="?", const="words", choices=["words", "gsm8k
 parser.add_argument("--arm", choices=list(ARMS), default="roc", help="the toy RL arm to run (a column each)")
 parser.add_argument("--no-roc", dest="arm", action="store_const", const="uniform", help="as --arm uniform")
 parser.add_argument("--steps", type=int, default=60, help="toy RL steps (about 2-3 s each on 2 cores)")
-parser.add_argument("--samples", type=int, default=None,
-                    help="evaluation samples per held-out problem (default: 4 on the toy, 2 on a real model)")
+parser.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
 parser.add_argument("--fresh", action="store_true", help="delete earlier outputs and run every stage again")
 parser.add_argument("--plot", default=None, help="where the PNG of the RL curves goes")
 args = parser.parse_args()
-args.samples = args.samples or (2 if args.real == "words" else 4)
 
 
 def toy_recipe():
@@ -183,7 +181,7 @@ for number, (title, done_file, cmd) in enumerate(stages, 1):
 # What the stages made (report.py): the table, each gain with its paired standard error, the stage times,
 # the RL curves (the real recipe's stages one after another).
 
-report.print_table(columns, args.samples)
+report.print_table(columns, args.samples, f"{REAL[args.real]['world']}/test.jsonl" if args.real else None)
 if args.real and REAL[args.real].get("transfer"):
     print(f"\ntransfer: {REAL[args.real]['transfer'][0]}")
     report.print_table({name: out.format(runs=REAL[args.real]["runs"]) for name, out in TRANSFER.items()},

@@ -47,8 +47,9 @@ def paired_gain(base_folder: str, folder: str) -> tuple[float, float, int]:
     return statistics.mean(gains), statistics.stdev(gains) / len(gains) ** 0.5, len(gains)
 
 
-def print_table(columns: dict, n: int):
-    """The held-out table, a column per evaluation that exists, then each one's gain over the first."""
+def print_table(columns: dict, n: int, benchmark_file: str | None = None):
+    """The held-out table, a column per evaluation that exists, then each one's gain over the first;
+    with the benchmark's file (its problems' "steps"), a row per number of operations too."""
     tables = {}
     for name, folder in columns.items():
         if os.path.exists(os.path.join(folder, "table.json")):
@@ -63,6 +64,11 @@ def print_table(columns: dict, n: int):
     for label, key, scale in ROWS:
         cells = [scale * t.get(key.format(n=n), float("nan")) for t in tables.values()]
         print(f"{label.format(n=n):32}" + "".join(f"{cell:14.1f}" for cell in cells))
+    if benchmark_file:
+        by_operations = [accuracy_by_operations(columns[name], benchmark_file) for name in tables]
+        for k, label in ((1, "one operation (avg@{n}, %)"), (2, "two or more (avg@{n}, %)")):
+            cells = [100 * ops.get(k, float("nan")) for ops in by_operations]
+            print(f"{label.format(n=n):32}" + "".join(f"{cell:14.1f}" for cell in cells))
     for name in list(tables)[1:]:
         gain, se, problems = paired_gain(columns[first], columns[name])
         print(f"{name}: held-out accuracy {100 * gain:+.1f} points over the {first} model (paired standard "

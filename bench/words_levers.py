@@ -1,24 +1,25 @@
-"""The words recipe's levers, one moved at a time, measured on training problems that no arm trains on.
+"""The words recipe's levers, one moved at a time, measured on training problems no arm trains on.
 
-    .venv/bin/python demo.py --real            # first: the SFT model and stage 1 this bench starts from
-    .venv/bin/python bench/words_levers.py     # then the arms (2.5 hours on 2 cores), and a table
+    .venv/bin/python data/prepare_real.py --out runs/real/artefacts   # SmolLM2-135M-Instruct, once
+    .venv/bin/python bench/words_levers.py --arms sft                  # the SFT arms (about 25 min each)
+    .venv/bin/python bench/words_levers.py --arms rl                   # the RL arms (about 30 min each)
+    .venv/bin/python bench/words_levers.py --arms "errors 10%,RL T 0.7"   # some, in this order
 
-Each RL arm is stage 1 of the words recipe (demo.py: 6 steps from the SFT model, 320 tokens, T = 3,
-lr 5e-5, 8 problems a step, 8 rollouts a problem down-sampled to 4 by RoC, dynamic sampling with up to
-4 draws) with one lever moved: dynamic sampling off, and from that arm 16 problems a step or 16
-rollouts a problem (kept 8, RoC's ratio of 2). The SFT arm is demo.py's SFT with twice the steps,
-and the last arm is stage 1 from it; demo.py's stages 2 and 3 are columns too.
-
-Every model is evaluated as demo.py evaluates (2 samples, temperature 0.6, 384 tokens, T = 6) on 150
-problems of data/mawps/train.jsonl that no RL arm draws: positions 600-749 of the data order's first
-epoch (train.py's seed 0; an arm draws from position 0 and takes at most 192 problems, and stage 2
-goes on from stage 1's position). Stage 3's problems come from the file's first 48 lines (the
-stage-3 filter), so a few of them may be among the 150. So the levers are chosen without the
-held-out problems. Arms run in the order listed, a finished one is skipped, and the table gives each
-arm's gain over the SFT model with its paired standard error.
+An SFT arm builds its SFT set with data/prepare_mawps.py (the same seed, so the same split: only the
+conversations change) and runs sft.py as demo.py --real does (batch 16, lr 2e-4, 10% warm-up). An RL
+arm runs train.py's stage 1 from one SFT arm's model (--rl-from) with one setting moved from the base
+(8 problems x 8 rollouts kept 4 by RoC, temperature 1.0, lr 5e-5, 320 tokens, T = 3, dynamic sampling
+with 2 draws, 12 steps). Every model is evaluated as demo.py evaluates (temperature 0.6, 384 tokens,
+T = 6), with 2 samples, on the last 300 problems of data/mawps/train.jsonl in train.py's data order
+(seed 0, first epoch): RL problems, never SFT ones, and not drawn by an RL run of fewer than 850
+problems. So the recipe is chosen without the held-out problems. The table gives each arm's
+accuracy on problems of one operation and of two or more apart, its failing calls and lengths, and
+(report.py's table) its paired gain over the first arm listed. A finished arm is skipped.
 """
+import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -29,70 +30,109 @@ os.chdir(ROOT)
 from batch import ProblemStream  # noqa: E402  (the order train.py draws problems in)
 import report  # noqa: E402
 
-RUNS, OUT, DATA = "runs/real_words", "runs/words_levers", "data/mawps/train.jsonl"
-KV = ["--kv-cache-tokens", "65536"]
-SFT = ["sft.py", "--model", "runs/real/artefacts/smollm2-135m-instruct", "--data", "data/mawps/sft.jsonl",
-       "--batch-size", "16", "--warmup-ratio", "0.1", "--grad-checkpointing", "0", "--lr", "2e-4",
+OUT, SMOL = "runs/words_levers", "runs/real/artefacts/smollm2-135m-instruct"
+MAWPS = "../shared/data/mawps_asdiv/train.csv"
+SFT = ["--batch-size", "16", "--warmup-ratio", "0.1", "--grad-checkpointing", "0", "--lr", "2e-4",
        "--max-len", "1280", "--micro-batch-tokens", "4096"]
-
-
-def stage1(out_dir: str, problems=8, rollouts=8, group=4, model=f"{RUNS}/sft", dynamic=False) -> list:
-    """demo.py's words stage 1 with the given problems, rollouts, starting model and dynamic sampling."""
-    return ["train.py", "--model", model, "--data", DATA, "--out-dir", out_dir, "--steps", "6",
-            "--max-response", "320", "--max-turns", "3", "--problems-per-step", str(problems),
-            "--rollouts-per-problem", str(rollouts), "--group-size", str(group), "--max-prompt", "768",
-            "--lr", "5e-5", "--warmup-steps", "2", "--micro-batch-tokens", "2048", *KV, "--save-every", "0",
-            "--sample-every", "5", "--resume", "1", *(["--dynamic-sampling", "--max-draws", "4"] * dynamic)]
-
-
-# A column -> the model it evaluates and the command that makes it (None: demo.py --real makes it).
-ARMS = {
-    "SFT 24": (f"{RUNS}/sft", None),
-    "stage 1": (f"{RUNS}/stage1/final", None),
-    "stage 2": (f"{RUNS}/stage2/final", None),
-    "stage 3": (f"{RUNS}/stage3/final", None),
-    "no dyn. samp.": (f"{OUT}/no_dynamic/final", stage1(f"{OUT}/no_dynamic")),
-    "16 problems": (f"{OUT}/problems16/final", stage1(f"{OUT}/problems16", problems=16)),
-    "SFT 48": (f"{OUT}/sft48", [*SFT, "--max-steps", "48", "--out-dir", f"{OUT}/sft48"]),
-    "16 rollouts": (f"{OUT}/rollouts16/final", stage1(f"{OUT}/rollouts16", rollouts=16, group=8)),
-    "SFT 48 + st. 1": (f"{OUT}/sft48_stage1/final",
-                       stage1(f"{OUT}/sft48_stage1", model=f"{OUT}/sft48", dynamic=True)),
+RL = ["--steps", "12", "--max-response", "320", "--max-turns", "3", "--problems-per-step", "8",
+      "--rollouts-per-problem", "8", "--group-size", "4", "--max-prompt", "768", "--lr", "5e-5",
+      "--warmup-steps", "2", "--temperature", "1.0", "--dynamic-sampling", "--max-draws", "2",
+      "--micro-batch-tokens", "2048", "--kv-cache-tokens", "65536", "--save-every", "0",
+      "--sample-every", "5", "--resume", "1"]
+# An SFT arm: its data/prepare_mawps.py flags and its sft.py flags (a later flag wins over SFT's).
+SFT_ARMS = {
+    "named 24": (["--style", "named"], ["--max-steps", "24"]),
+    "errors 25%": (["--error-share", "0.25"], ["--max-steps", "24"]),
+    "errors 10%": (["--error-share", "0.1"], ["--max-steps", "24"]),
+    "errors 0%": (["--error-share", "0"], ["--max-steps", "24"]),
+    "two ops half": (["--error-share", "0.1", "--multi-share", "0.5"], ["--max-steps", "24"]),
+    "48 steps": (["--error-share", "0.1"], ["--max-steps", "48"]),
+    "lr 4e-4": (["--error-share", "0.1"], ["--max-steps", "24", "--lr", "4e-4"]),
+    "epoch": (["--error-share", "0.1"], ["--max-steps", "75"]),
 }
+# An RL arm: its train.py flags over RL's (a later flag wins).
+RL_ARMS = {
+    "RL base": [],
+    "RL T 0.7": ["--temperature", "0.7"],
+    "RL lr 1e-4": ["--lr", "1e-4"],
+    "RL 200 tokens": ["--max-response", "200"],
+    "RL 4 draws": ["--max-draws", "4"],
+}
+parser = argparse.ArgumentParser(description="The words recipe's levers on training problems.")
+parser.add_argument("--arms", default="sft", help="comma-separated arms in the order to run, or sft, rl")
+parser.add_argument("--rl-from", default="errors 10%", choices=list(SFT_ARMS),
+                    help="the SFT arm whose model the RL arms start from")
+args = parser.parse_args()
+arms = {"sft": list(SFT_ARMS), "rl": list(RL_ARMS)}.get(args.arms)
+arms = arms or [arm.strip() for arm in args.arms.split(",")]
+if unknown := [a for a in arms if a not in SFT_ARMS and a not in RL_ARMS]:
+    sys.exit(f"words_levers: no arm {unknown}\n---> HINT: the arms are {', '.join([*SFT_ARMS, *RL_ARMS])}")
 
-os.makedirs(OUT, exist_ok=True)
-slice_file = f"{OUT}/train_600_750.jsonl"
-with open(DATA) as f:
-    problems = [json.loads(line) for line in f]
-with open(slice_file, "w") as f:
-    f.writelines(json.dumps(p) + "\n" for p in ProblemStream(problems, seed=0).take(600, 150))
-
-
-def run(cmd: list, done_file: str):
-    """One stage as a subprocess, as a user runs it; skipped when its output is there."""
+def run(cmd: list, done_file: str) -> float:
+    """One stage as a subprocess, as a user runs it; skipped when its output is there. Minutes taken."""
     line = "python " + " ".join(cmd)
     if os.path.exists(done_file):
         print(f"=== already done ({done_file}): {line}", flush=True)
-        return
+        return float("nan")
     print(f"\n=== {line}", flush=True)
     t0 = time.time()
     if subprocess.run([sys.executable, *cmd]).returncode:
         raise SystemExit(f"words_levers: this stage failed: {line}\n"
                          f"---> HINT: fix what it reports and rerun: finished arms are skipped")
     print(f"=== done in {(time.time() - t0) / 60:.1f} min", flush=True)
+    return (time.time() - t0) / 60
+
+
+os.makedirs(OUT, exist_ok=True)
+run(["data/prepare_mawps.py", "--csv", MAWPS, "--out", "data/mawps"], "data/mawps/train.jsonl")  # (the split)
+slice_file = f"{OUT}/train_last300.jsonl"
+with open("data/mawps/train.jsonl") as f:
+    problems = [json.loads(line) for line in f]
+with open(slice_file, "w") as f:
+    last300 = ProblemStream(problems, seed=0).take(len(problems) - 300, 300)
+    f.writelines(json.dumps(p) + "\n" for p in last300)
+
+
+
+def folder(arm: str) -> str:
+    return f"{OUT}/{arm.replace(' ', '_').replace('%', '').replace('.', '')}"
 
 
 columns = {}
-for column, (model, make) in ARMS.items():
-    name = model.split("/")[-2 if model.endswith("final") else -1]
-    columns[column] = f"{OUT}/eval_{name}"
-    if make:
-        run(make, f"{model}/config.json")
-    elif not os.path.exists(f"{model}/config.json"):
-        raise SystemExit(f"words_levers: {model} is missing\n"
-                         f"---> HINT: run `.venv/bin/python demo.py --real` first: this bench starts from it")
-    run(["eval.py", "--model", model, "--out-dir", columns[column], "--benchmarks", slice_file, "--n", "2",
-         "--max-response", "384", *KV, "--max-turns", "6"], f"{columns[column]}/table.json")
-report.print_table(columns, 2)
-gain, se, n = report.paired_gain(columns["SFT 48"], columns["SFT 48 + st. 1"])
-print(f"SFT 48 + st. 1: {100 * gain:+.1f} points over the 48-step SFT model (paired standard error "
-      f"{100 * se:.1f} over {n} problems)")
+for arm in arms:
+    if arm in SFT_ARMS:
+        prepare, sft = SFT_ARMS[arm]
+        data, model = f"{folder(arm)}/data", f"{folder(arm)}/sft"
+        run(["data/prepare_mawps.py", "--csv", MAWPS, "--out", data, *prepare], f"{data}/sft.jsonl")
+        run(["sft.py", "--model", SMOL, "--data", f"{data}/sft.jsonl", "--out-dir", model, *SFT, *sft],
+            f"{model}/model.safetensors")
+    else:
+        start, model = f"{folder(args.rl_from)}/sft", f"{folder(arm)}/final"
+        if not os.path.exists(f"{start}/model.safetensors"):
+            sys.exit(f"words_levers: the RL arms start from {start}, which is not there\n"
+                     f"---> HINT: run the SFT arm first: --arms \"{args.rl_from}\"")
+        run(["train.py", "--model", start, "--data", "data/mawps/train.jsonl", "--out-dir", folder(arm), *RL,
+             *RL_ARMS[arm]], f"{model}/config.json")
+    columns[arm] = f"{folder(arm)}/eval"
+    run(["eval.py", "--model", model, "--out-dir", columns[arm], "--benchmarks", slice_file, "--n", "2",
+         "--max-response", "384", "--kv-cache-tokens", "65536", "--max-turns", "6"],
+        f"{columns[arm]}/table.json")
+
+report.print_table(columns, 2, slice_file)
+print(f"\n{'arm':14} {'minutes':>8} {'s/step':>7} {'avg@2':>6} {'1 op':>6} {'2+ ops':>7} {'failing':>8} "
+      f"{'cut off':>8} {'tokens':>7}")
+for arm, eval_dir in columns.items():
+    if not os.path.exists(f"{eval_dir}/table.json"):
+        continue
+    with open(f"{eval_dir}/table.json") as f:
+        table = json.load(f)["table"][0]
+    metrics = f"{folder(arm)}/{'sft/' if arm in SFT_ARMS else ''}metrics.jsonl"  # (SFT's or RL's steps)
+    with open(metrics) as f:  # (an RL step's rollout, update and weight sync)
+        seconds = [row.get("seconds") or row["rollout_seconds"] + row["train_seconds"] + row["sync_seconds"]
+                   for row in map(json.loads, f)]
+    with open(f"{eval_dir}/samples.jsonl") as f:
+        cut = statistics.mean(s["finish_reason"] == "length" for s in map(json.loads, f))
+    ops = report.accuracy_by_operations(eval_dir, slice_file)
+    print(f"{arm:14} {sum(seconds) / 60:8.1f} {statistics.mean(seconds):7.1f} "
+          f"{100 * table['avg_pass@1']:6.1f} {100 * ops[1]:6.1f} {100 * ops[2]:7.1f} "
+          f"{100 * table['tool_error_ratio']:8.1f} {100 * cut:8.1f} {table['response_length']:7.0f}")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from report import paired_gain, per_problem
+from report import accuracy_by_operations, paired_gain, per_problem
 
 
 def write_samples(folder, correct_by_problem):
@@ -32,3 +32,12 @@ def test_the_same_problems_with_the_same_verdicts_gain_nothing_and_other_problem
     other = write_samples(tmp_path / "b", {0: [1, 0], 5: [0, 0]})
     with pytest.raises(ValueError, match="different problems"):
         paired_gain(base, other)
+
+
+def test_accuracy_by_operations_groups_problems_by_their_steps_two_or_more_together(tmp_path):
+    folder = write_samples(tmp_path / "eval", {0: [1, 1], 1: [0, 1], 2: [0, 0], 3: [1, 0]})
+    benchmark = tmp_path / "test.jsonl"
+    benchmark.write_text("".join(json.dumps({"question": "q", "answer": "1", "steps": s}) + "\n"
+                                 for s in (1, 2, 3, 1)))
+    # one operation: problems 0 and 3 (1.0, 0.5); two or more: problems 1 and 2 (0.5, 0.0)
+    assert accuracy_by_operations(folder, str(benchmark)) == {1: 0.75, 2: 0.25}
