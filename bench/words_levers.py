@@ -45,6 +45,7 @@ SFT_ARMS = {
     "errors 25%": (["--error-share", "0.25"], ["--max-steps", "24"]),
     "errors 10%": (["--error-share", "0.1"], ["--max-steps", "24"]),
     "errors 0%": (["--error-share", "0"], ["--max-steps", "24"]),
+    "stepwise": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "24"]),
     "two ops half": (["--error-share", "0.1", "--multi-share", "0.5"], ["--max-steps", "24"]),
     "48 steps": (["--error-share", "0.1"], ["--max-steps", "48"]),
     "lr 4e-4": (["--error-share", "0.1"], ["--max-steps", "24", "--lr", "4e-4"]),

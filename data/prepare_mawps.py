@@ -12,7 +12,8 @@ What it writes into --out, deterministically from --seed:
      `books in total?`, `$ 5` -> `$5`); lower-cased problems stay lower-cased, as published;
    - --style formulaic (the default): a reasoning that states each operation on numbers and its
      value ("First, 15 - 6 = 9. So the answer is 9 * 7 = 63."), and a call whose code repeats it
-     (`step1 = 15 - 6`, `answer = step1 * 7`, `print(answer)`);
+     (`step1 = 15 - 6`, `answer = step1 * 7`, `print(answer)`); --style stepwise: every operation a
+     step ("First, 15 - 6 = 9. Then, 9 * 7 = 63. So the answer is 63."; `step2 = step1 * 7`);
      --style named: a reasoning in words (which quantities combine and why, never the result), and
      code that names each quantity from the problem's words (`books = 56`, `bookshelves = 9`,
      `total_books = books * bookshelves`);
@@ -153,13 +154,13 @@ def convert(record: dict, style: str = "formulaic") -> tuple[str, str, list[tupl
         a, b = value_of(node[1]), value_of(node[2])
         return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else float("nan")}[node[0]]
 
-    if style == "formulaic":  # a number as the problem prints it; an inner result by its value, rounded
+    if style in ("formulaic", "stepwise"):  # a number as the problem prints it, a result by its value
         def shown(node):
             if isinstance(node, str):
                 return number_text(numbers[int(node[6:])])
             return number_text(str(round(value_of(node), 6)))
         reasoning, steps = formulaic([(f"{shown(op[1])} {op[0]} {shown(op[2])}", shown(op))
-                                      for op in operations])
+                                      for op in operations], stepwise=style == "stepwise")
         return question, reasoning, steps, answer, len(operations)
     names = leaf_names(record["Question"], numbers, leaves)
     steps = [(names[leaf], number_text(numbers[int(leaf[6:])]), number_text(numbers[int(leaf[6:])]))
@@ -210,9 +211,10 @@ def main():
     parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
     parser.add_argument("--n-sft", type=int, default=1200,
                         help="problems whose equations become SFT conversations")
-    parser.add_argument("--style", choices=["formulaic", "named"], default="formulaic",
-                        help="formulaic: each operation on numbers, in the reasoning and the code; named: "
-                             "each quantity a Python name from the problem's words")
+    parser.add_argument("--style", choices=["formulaic", "stepwise", "named"], default="formulaic",
+                        help="formulaic: each operation on numbers, in the reasoning and the code; stepwise: "
+                             "the same, every operation a step; named: each quantity a Python name from "
+                             "the problem's words")
     parser.add_argument("--error-share", type=float, default=0.25, help="share of SFT conversations whose "
                         "first call fails and is fixed")
     parser.add_argument("--multi-share", type=float, default=0.0,

@@ -101,6 +101,17 @@ def test_a_two_step_problem_in_the_formulaic_style_uses_the_first_result_by_its_
     assert sandbox.run_batch([chain_code(steps)])[0].stdout == "0.75\n" and answer == "0.75"
 
 
+def test_the_stepwise_style_makes_every_operation_a_step_and_says_the_answer_after_the_last(sandbox):
+    _, reasoning, steps, answer, _ = convert(BRYAN, "stepwise")
+    assert reasoning == "First, 56 * 9 = 504. So the answer is 504."
+    assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)", "one operation has the first step's shape"
+    _, reasoning, steps, answer, _ = convert(CONNER, "stepwise")
+    assert reasoning == "First, 1500 * 8 = 12000. Then, 25000 - 12000 = 13000. So the answer is 13000."
+    code = chain_code(steps)
+    assert code == "step1 = 1500 * 8\nstep2 = 25000 - step1\nprint(step2)", "a sentence a line, in order"
+    assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
+
+
 def test_names_come_from_the_words_next_to_each_number():
     assert leaf_names(BRYAN["Question"], BRYAN["Numbers"].split(), ["number0", "number1"]) == \
         {"number0": "books", "number1": "bookshelves"}, "a name stops at a filler word (books in each)"
