@@ -8,7 +8,7 @@ two styles (--style in both scripts), and then the rest:
    -> clips_in_may), unique in the chain; the reasoning says in words what combines and why;
    formulaic: the reasoning states each operation on numbers and its value ("First, 15 - 6 = 9. So
    the answer is 9 * 7 = 63.") and the code repeats it (`step1 = 15 - 6`, `answer = step1 * 7`);
-   stepwise: the same, every operation a step ("Then, 9 * 7 = 63. So the answer is 63.").
+   stepwise: the same, every operation a step ("First, 15 - 6 = 9. Then, 9 * 7 = 63.").
    A 135M model copies the second far better (docs/words.md: "Named or formulaic");
 2. chain_code: the code of the chain, each step a named line, a number that an earlier step computed
    used by that step's name, the last result printed;
@@ -69,9 +69,11 @@ def formulaic(operations: list[tuple[str, str]],
     """(expression, result) per operation, in the order computed -> (the reasoning, the chain's steps).
     The reasoning states every operation on numbers with its value, an earlier result by its value;
     the steps are step1, step2, ... and answer, for chain_code, which puts the names back.
-    stepwise: every operation is a step of the same shape ("First, 95 - 3 = 92. So the answer is
-    92."; `step1 = 95 - 3`, `print(step1)`), so that a sentence is a line of code, and whether a
-    problem takes another operation is said after the first one, not before it."""
+    stepwise: every operation is a step of the same shape ("First, 95 - 3 = 92."; `step1 = 95 - 3`,
+    `print(step1)`), so that a sentence is a line of code, and whether a problem takes another
+    operation is said after the first one, not before it. The reasoning names no answer of its own:
+    the answer is what the code printed (measured: with a closing "So the answer is 92." the SFT
+    model boxed that sentence's number, often its own wrong sum, instead of the printed one)."""
     if not operations:
         raise Skip("no calculator annotation")
     sentences, steps = [], []
@@ -86,8 +88,6 @@ def formulaic(operations: list[tuple[str, str]],
             lead = "So the answer is" if i > 1 else "The answer is"
         sentences.append(f"{lead} {expression} = {result}.")
         steps.append(("answer" if last else f"step{i}", expression, result))
-    if stepwise:
-        sentences.append(f"So the answer is {operations[-1][1]}.")
     return " ".join(sentences), steps
 
 

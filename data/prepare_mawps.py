@@ -13,7 +13,7 @@ What it writes into --out, deterministically from --seed:
    - --style formulaic (the default): a reasoning that states each operation on numbers and its
      value ("First, 15 - 6 = 9. So the answer is 9 * 7 = 63."), and a call whose code repeats it
      (`step1 = 15 - 6`, `answer = step1 * 7`, `print(answer)`); --style stepwise: every operation a
-     step ("First, 15 - 6 = 9. Then, 9 * 7 = 63. So the answer is 63."; `step2 = step1 * 7`);
+     step ("First, 15 - 6 = 9. Then, 9 * 7 = 63."; `step2 = step1 * 7`), the answer what it prints;
      --style named: a reasoning in words (which quantities combine and why, never the result), and
      code that names each quantity from the problem's words (`books = 56`, `bookshelves = 9`,
      `total_books = books * bookshelves`);
