@@ -1,8 +1,8 @@
 """The words recipe's levers, one moved at a time, measured on training problems no arm trains on.
 
     .venv/bin/python data/prepare_real.py --out runs/real/artefacts   # SmolLM2-135M-Instruct, once
-    .venv/bin/python bench/words_levers.py --arms sft                  # the SFT arms (about 25 min each)
-    .venv/bin/python bench/words_levers.py --arms rl                   # the RL arms (about 30 min each)
+    .venv/bin/python bench/words_levers.py --arms sft   # the SFT arms (21 min each at 24 steps, here)
+    .venv/bin/python bench/words_levers.py --arms rl    # the RL arms, from --rl-from's SFT model
     .venv/bin/python bench/words_levers.py --arms "errors 10%,RL T 0.7"   # some, in this order
 
 An SFT arm builds its SFT set with data/prepare_mawps.py (the same seed, so the same split: only the
