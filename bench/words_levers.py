@@ -69,19 +69,19 @@ arms = arms or [arm.strip() for arm in args.arms.split(",")]
 if unknown := [a for a in arms if a not in SFT_ARMS and a not in RL_ARMS]:
     sys.exit(f"words_levers: no arm {unknown}\n---> HINT: the arms are {', '.join([*SFT_ARMS, *RL_ARMS])}")
 
-def run(cmd: list, done_file: str) -> float:
-    """One stage as a subprocess, as a user runs it; skipped when its output is there. Minutes taken."""
+
+def run(cmd: list, done_file: str):
+    """One stage as a subprocess, as a user runs it; skipped when its output is there."""
     line = "python " + " ".join(cmd)
     if os.path.exists(done_file):
         print(f"=== already done ({done_file}): {line}", flush=True)
-        return float("nan")
+        return
     print(f"\n=== {line}", flush=True)
     t0 = time.time()
     if subprocess.run([sys.executable, *cmd]).returncode:
         raise SystemExit(f"words_levers: this stage failed: {line}\n"
                          f"---> HINT: fix what it reports and rerun: finished arms are skipped")
     print(f"=== done in {(time.time() - t0) / 60:.1f} min", flush=True)
-    return (time.time() - t0) / 60
 
 
 os.makedirs(OUT, exist_ok=True)

@@ -3,13 +3,13 @@
 A chain is a list of steps (name, expression, result): `clips_in_may = 48 / 2`, then
 `total = 48 + clips_in_may`. data/prepare_gsm8k.py reads its chains from GSM8K's calculator
 annotations, data/prepare_mawps.py from MAWPS's and ASDiv-A's prefix equations; both then use one of
-two styles (--style in both scripts), and then the rest:
+the styles (--style in both scripts), and then the rest:
 1. named: quantity_name, a Python name for a quantity from the words next to it ("24 clips in May"
    -> clips_in_may), unique in the chain; the reasoning says in words what combines and why;
    formulaic: the reasoning states each operation on numbers and its value ("First, 15 - 6 = 9. So
    the answer is 9 * 7 = 63.") and the code repeats it (`step1 = 15 - 6`, `answer = step1 * 7`);
    stepwise: the same, every operation a step ("First, 15 - 6 = 9. Then, 9 * 7 = 63.").
-   A 135M model copies the second far better (docs/words.md: "Named or formulaic");
+   A 135M model copies the last two far better (docs/words.md: "Named or formulaic");
 2. chain_code: the code of the chain, each step a named line, a number that an earlier step computed
    used by that step's name, the last result printed;
 3. broken_code: a first call that fails (an unclosed parenthesis, or a name never defined), which

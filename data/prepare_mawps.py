@@ -133,7 +133,8 @@ def asked_noun(ask: str) -> str:
 
 def convert(record: dict, style: str = "formulaic") -> tuple[str, str, list[tuple[str, str, str]], str, int]:
     """(question, reasoning, chain of steps for chains.chain_code, answer, operations) of one record,
-    in the formulaic style (each operation on numbers) or the named one (each quantity a name)."""
+    in the formulaic or stepwise style (each operation on numbers) or the named one (each quantity a
+    name)."""
     numbers = record["Numbers"].split()
     tree = parse_prefix(record["Equation"])
     leaves, operations = [], []
