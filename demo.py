@@ -74,8 +74,8 @@ REAL = {
     "words": dict(  # elementary word problems people wrote: a 135M model solves a share of them after SFT
         world="data/mawps", runs="runs/real_words", held_out=None, between=50, kv_cache_tokens=65536,
         prepare=["data/prepare_mawps.py", "--csv", MAWPS, "--out", "data/mawps"],
-        data=("train", "train", "hard"), steps=(6, 4, 3), max_response=(320, 384, 384), max_turns=(3, 4, 6),
-        lr=5e-5, problems=8, rl=["--dynamic-sampling", "--max-draws", "4"], filter_min_solved=1,
+        data=("train", "train", "hard"), steps=(14, 6, 5), max_response=(320, 384, 384), max_turns=(3, 4, 6),
+        lr=5e-5, problems=8, rl=["--dynamic-sampling", "--max-draws", "2"], filter_min_solved=1,
         eval_flags=["--max-turns", "6"],  # one engine seed (per-turn seeds sample a request at a time)
         sft=["--max-steps", "24", "--lr", "2e-4", "--max-len", "1280", "--micro-batch-tokens", "4096"],
         transfer=("data/gsm8k", ["data/prepare_gsm8k.py", "--out", "data/gsm8k",

@@ -42,14 +42,15 @@ RL = ["--steps", "12", "--max-response", "320", "--max-turns", "3", "--problems-
 # An SFT arm: its data/prepare_mawps.py flags and its sft.py flags (a later flag wins over SFT's).
 SFT_ARMS = {
     "named 24": (["--style", "named"], ["--max-steps", "24"]),
-    "errors 25%": (["--error-share", "0.25"], ["--max-steps", "24"]),
-    "errors 10%": (["--error-share", "0.1"], ["--max-steps", "24"]),
-    "errors 0%": (["--error-share", "0"], ["--max-steps", "24"]),
+    "errors 25%": (["--style", "formulaic", "--error-share", "0.25"], ["--max-steps", "24"]),
+    "errors 10%": (["--style", "formulaic", "--error-share", "0.1"], ["--max-steps", "24"]),
+    "two ops half": (["--style", "formulaic", "--error-share", "0.1", "--multi-share", "0.5"],
+                     ["--max-steps", "24"]),
     "stepwise": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "24"]),
-    "two ops half": (["--error-share", "0.1", "--multi-share", "0.5"], ["--max-steps", "24"]),
-    "48 steps": (["--error-share", "0.1"], ["--max-steps", "48"]),
-    "lr 4e-4": (["--error-share", "0.1"], ["--max-steps", "24", "--lr", "4e-4"]),
-    "epoch": (["--error-share", "0.1"], ["--max-steps", "75"]),
+    "errors 0%": (["--style", "stepwise", "--error-share", "0"], ["--max-steps", "24"]),
+    "48 steps": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "48"]),
+    "lr 4e-4": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "24", "--lr", "4e-4"]),
+    "epoch": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "75"]),
 }
 # An RL arm: its train.py flags over RL's (a later flag wins).
 RL_ARMS = {
@@ -61,7 +62,7 @@ RL_ARMS = {
 }
 parser = argparse.ArgumentParser(description="The words recipe's levers on training problems.")
 parser.add_argument("--arms", default="sft", help="comma-separated arms in the order to run, or sft, rl")
-parser.add_argument("--rl-from", default="errors 10%", choices=list(SFT_ARMS),
+parser.add_argument("--rl-from", default="stepwise", choices=list(SFT_ARMS),
                     help="the SFT arm whose model the RL arms start from")
 args = parser.parse_args()
 arms = {"sft": list(SFT_ARMS), "rl": list(RL_ARMS)}.get(args.arms)

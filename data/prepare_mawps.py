@@ -10,10 +10,11 @@ What it writes into --out, deterministically from --seed:
 2. sft.jsonl: --n-sft conversations {"messages"} in the rollout's format, each built from an equation:
    - the question as people read it: numbers put back, the tokenization undone (`books in total ?` ->
      `books in total?`, `$ 5` -> `$5`); lower-cased problems stay lower-cased, as published;
-   - --style formulaic (the default): a reasoning that states each operation on numbers and its
-     value ("First, 15 - 6 = 9. So the answer is 9 * 7 = 63."), and a call whose code repeats it
-     (`step1 = 15 - 6`, `answer = step1 * 7`, `print(answer)`); --style stepwise: every operation a
-     step ("First, 15 - 6 = 9. Then, 9 * 7 = 63."; `step2 = step1 * 7`), the answer what it prints;
+   - --style stepwise (the default): a reasoning that states each operation on numbers and its
+     value, every operation a step of one shape ("First, 15 - 6 = 9. Then, 9 * 7 = 63."), and a call
+     whose code repeats it (`step1 = 15 - 6`, `step2 = step1 * 7`, `print(step2)`): the answer is what
+     the code prints; --style formulaic: the last operation is the answer's own sentence ("So the
+     answer is 9 * 7 = 63."; `answer = step1 * 7`);
      --style named: a reasoning in words (which quantities combine and why, never the result), and
      code that names each quantity from the problem's words (`books = 56`, `bookshelves = 9`,
      `total_books = books * bookshelves`);
@@ -131,9 +132,9 @@ def asked_noun(ask: str) -> str:
     return ""
 
 
-def convert(record: dict, style: str = "formulaic") -> tuple[str, str, list[tuple[str, str, str]], str, int]:
+def convert(record: dict, style: str = "stepwise") -> tuple[str, str, list[tuple[str, str, str]], str, int]:
     """(question, reasoning, chain of steps for chains.chain_code, answer, operations) of one record,
-    in the formulaic or stepwise style (each operation on numbers) or the named one (each quantity a
+    in the stepwise or formulaic style (each operation on numbers) or the named one (each quantity a
     name)."""
     numbers = record["Numbers"].split()
     tree = parse_prefix(record["Equation"])
@@ -212,9 +213,10 @@ def main():
     parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
     parser.add_argument("--n-sft", type=int, default=1200,
                         help="problems whose equations become SFT conversations")
-    parser.add_argument("--style", choices=["formulaic", "stepwise", "named"], default="formulaic",
-                        help="formulaic: each operation on numbers, in the reasoning and the code; stepwise: "
-                             "the same, every operation a step; named: each quantity a Python name from "
+    parser.add_argument("--style", choices=["stepwise", "formulaic", "named"], default="stepwise",
+                        help="stepwise: each operation on numbers, a step in the reasoning and the code "
+                             "(6.7 points over formulaic on training problems: docs/words.md); formulaic: "
+                             "the last step the answer's sentence; named: each quantity a Python name from "
                              "the problem's words")
     parser.add_argument("--error-share", type=float, default=0.1, help="share of SFT conversations whose "
                         "first call fails and is fixed (a quarter was 4.3 points worse on training "

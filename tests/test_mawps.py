@@ -71,7 +71,7 @@ def test_a_two_step_problem_computes_the_inner_operation_first_and_uses_it_by_na
 
 
 def test_a_one_step_problem_in_the_formulaic_style_states_the_operation_and_its_code_repeats_it(sandbox):
-    question, reasoning, steps, answer, operations = convert(BRYAN)  # (the default style)
+    question, reasoning, steps, answer, operations = convert(BRYAN, "formulaic")
     assert question.endswith("how many books does he have in total?") and (answer, operations) == ("504", 1)
     assert reasoning == "The answer is 56 * 9 = 504."
     code = chain_code(steps)
@@ -102,7 +102,7 @@ def test_a_two_step_problem_in_the_formulaic_style_uses_the_first_result_by_its_
 
 
 def test_the_stepwise_style_makes_every_operation_a_step_and_leaves_the_answer_to_the_code(sandbox):
-    _, reasoning, steps, answer, _ = convert(BRYAN, "stepwise")
+    _, reasoning, steps, answer, _ = convert(BRYAN)  # (the default style)
     assert reasoning == "First, 56 * 9 = 504.", "no answer of its own: the model would box it, not the output"
     assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)", "one operation has the first step's shape"
     _, reasoning, steps, answer, _ = convert(CONNER, "stepwise")
@@ -143,10 +143,9 @@ def test_the_script_holds_out_problems_and_writes_disjoint_sets_of_integer_answe
             for name in ("test", "train", "sft")}
     test, train = read["test"], read["train"]
     sft = [c["messages"][0]["content"] for c in read["sft"]]
-    multi = [c for c in read["sft"] if c["messages"][1]["content"].startswith("First, ")]
+    multi = [c for c in read["sft"] if "Then, " in c["messages"][1]["content"]]  # (the stepwise style)
     assert abs(len(multi) / len(sft) - 0.6) < 0.01, "--multi-share repeats conversations of two operations"
-    assert all(c["messages"][1]["content"].startswith("The answer is ") for c in read["sft"]
-               if c not in multi)
+    assert all(c["messages"][1]["content"].startswith("First, ") for c in read["sft"])
     distinct = {json.dumps(c) for c in read["sft"]}
     assert 190 <= len(distinct) <= 200 < len(sft), "the repeats come on top of the converted problems"
     assert len(test) == 300 and len(train) > 1000
