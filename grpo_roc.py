@@ -6,12 +6,16 @@ What this file does (paper §2.2.3, Eq. 4-7) and where it departs from the paper
 1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5 without a call (to
    encourage tool use), counted from the sandbox's status, not the output's text. p_format = 1 without
    an <answer>, else min(1, (#answers - 1) / #turns), counting every assistant turn.
-2. Groups whose rewards are all equal are dropped: zero advantages, no gradient. No refill.
-3. Negatives (reward <= 0): floor(|neg| / 2) kept uniformly at random, but at least one: the paper's
-   floor keeps none of a single negative, and the group would then be all correct and wasted.
-4. Positives fill the rest of G, drawn without replacement with probability proportional to
-   1 / (p_total + 1e-3) (POSITIVE_WEIGHTS). Short of positives, negatives fill G; a group of at most G is
-   kept whole (`short_group` if < G).
+2. Groups whose rewards are all equal are dropped: zero advantages, no gradient. No refill. The
+   reward decides here (and in train.py's dynamic sampling): a group is worth training when its
+   advantages are not all zero. Correctness decides (3) and (4): the paper's positives are the correct
+   rollouts, so a correct rollout that a shaped reward (rollout.reward) scores <= 0 is still one.
+3. Negatives (the incorrect rollouts): floor(|neg| / 2) kept uniformly at random, but at least one when
+   there is one: the paper's floor keeps none of a single negative, and the group would then be all
+   correct and wasted.
+4. Positives (the correct rollouts) fill the rest of G, drawn without replacement with probability
+   proportional to 1 / (p_total + 1e-3) (POSITIVE_WEIGHTS). Short of positives, negatives fill G; a group
+   of at most G is kept whole (`short_group` if < G).
 5. `downsample_uniform`, the paper's "GRPO with tool" ablation at equal compute: (2), then G of 2G uniformly.
 6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
 7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level as in DAPO: any split into
@@ -85,7 +89,7 @@ def filter_void_turns(group: list[Trajectory]):
 
 
 def _stats(dropped=0, short=0, kept=()):
-    n_pos = sum(1 for t in kept if t.reward > 0)
+    n_pos = sum(1 for t in kept if t.correct)
     return {"dropped_all_equal": dropped, "short_group": short, "n_pos": n_pos, "n_neg": len(kept) - n_pos}
 
 
@@ -123,9 +127,9 @@ def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Ra
     decided = _prefilter(group, group_size)
     if decided is not None:
         return decided
-    pos = [t for t in group if t.reward > 0]
-    neg = [t for t in group if t.reward <= 0]
-    n_neg = min(max(1, len(neg) // 2), group_size - 1)      # (3) leaves room for a positive
+    pos = [t for t in group if t.correct]
+    neg = [t for t in group if not t.correct]
+    n_neg = min(max(1, len(neg) // 2), group_size - 1) if neg else 0  # (3) leaves room for a positive
     n_pos = min(len(pos), group_size - n_neg)               # (4)
     n_neg = min(len(neg), group_size - n_pos)               # (4) short of positives, negatives fill G
     kept_neg = rng.sample(neg, n_neg)                       # (3)

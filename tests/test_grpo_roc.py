@@ -12,9 +12,12 @@ from rollout import Trajectory
 from update import effective_sample_size
 
 
-def traj(reward, calls=1, failures=None, answers=1, turns=2, index=0, void_turns=0, sandbox_failed=False):
+def traj(reward, calls=1, failures=None, answers=1, turns=2, index=0, void_turns=0, sandbox_failed=False,
+         correct=None):
+    """A graded rollout; correct unless said otherwise when its reward is positive (the paper's reward)."""
     t = Trajectory(index=index, prompt_ids=[1], reward=float(reward), tool_calls=calls,
-                   tool_failures=dict(failures or {}), num_answers=answers, num_turns=turns)
+                   tool_failures=dict(failures or {}), num_answers=answers, num_turns=turns,
+                   correct=reward > 0 if correct is None else correct)
     t.void_turns = void_turns            # set on the instance: the fields grading and the turn logic fill
     t.sandbox_failed = sandbox_failed
     return t
@@ -82,6 +85,22 @@ def test_one_negative_and_one_positive_groups_keep_one_of_each():
     assert (stats["n_pos"], stats["n_neg"]) == (3, 1), "the single negative was dropped (floor(1/2)=0)"
     kept, stats = resample_on_correct(group_of(1, 7), 4, random.Random(0))
     assert (stats["n_pos"], stats["n_neg"]) == (1, 3), "the single positive was dropped"
+
+
+def test_roc_splits_by_correctness_while_the_reward_decides_which_groups_train():
+    # A shaped reward (a format penalty, say) can score a correct rollout with malformed calls <= 0.
+    shaped = [traj(1.0), traj(1.0), traj(-0.5, correct=True), traj(-0.5, correct=True)]
+    wrong = [traj(-1.0) for _ in range(4)]
+    kept, stats = resample_on_correct(shaped + wrong, 4, random.Random(0))
+    assert (stats["n_pos"], stats["n_neg"]) == (2, 2), "RoC took a correct rollout for a negative by its reward"
+    assert sum(not t.correct for t in kept) == 2, "the kept negatives are the incorrect rollouts"
+    all_correct = [traj(1.0) for _ in range(4)] + [traj(-0.5, correct=True) for _ in range(4)]
+    kept, stats = resample_on_correct(all_correct, 4, random.Random(0))
+    assert len(kept) == 4 and stats["n_neg"] == 0 and stats["dropped_all_equal"] == 0, \
+        "a group whose rewards differ trains even when every rollout is correct"
+    same_reward = [traj(0.0, correct=True)] + [traj(0.0) for _ in range(7)]
+    assert resample_on_correct(same_reward, 4, random.Random(0))[1]["dropped_all_equal"] == 1, \
+        "equal rewards give zero advantages, whatever the correctness"
 
 
 def test_short_group_is_kept_whole_and_flagged():
