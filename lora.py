@@ -13,7 +13,8 @@ one dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
 The engine never sees an adapter: each sync and each HF export gets the merged weights under the
 base model's names (merged_weights), so vLLM, eval.py and chat.py run a plain model.
 The reference policy of train.py --kl-coef is the base: the policy itself with its adapters off
-(adapters_off), unless a module trains in full beside them (reference_policy).
+(adapters_off), unless a module trains in full beside them (trains_adapters_only: train.py then
+loads a frozen copy).
 Checkpoints hold the adapters and their optimizer only (training.save_checkpoint leaves out frozen
 parameters: the base is the --model folder, which every run reads); training.load_checkpoint refuses
 one of another rank.
@@ -103,15 +104,10 @@ def adapters_off(model):
     return model.disable_adapter() if is_lora(model) else contextlib.nullcontext()
 
 
-def reference_policy(model, path: str, device):
-    """The reference of train.py --kl-coef: the run's --model as loaded, never trained. With LoRA and
-    nothing trained in full, `model` itself (update.py runs it inside adapters_off: no second copy).
-    Otherwise a frozen copy that training.load_sharded_model loads as it loads the policy (rank 0 reads
-    it, the other ranks get their shards from it), in the base's dtype: bf16 on GPUs, fp32 on CPUs."""
-    from training import load_sharded_model
-    if is_lora(model) and all(".lora_" in name for name, p in model.named_parameters() if p.requires_grad):
-        return model
-    return load_sharded_model(path, device, frozen=True)
+def trains_adapters_only(model) -> bool:
+    """Whether only LoRA adapters train: then the base, the reference policy of train.py --kl-coef, is
+    the policy itself with its adapters off (update.py runs it inside adapters_off: no second copy)."""
+    return is_lora(model) and all(".lora_" in name for name, p in model.named_parameters() if p.requires_grad)
 
 
 def hf_name(name: str) -> str:

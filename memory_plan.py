@@ -97,7 +97,7 @@ SAMPLER_TRITON_ROWS = 304  # v1/sample/ops/topk_topp_triton.py caches a (rows, V
 # a decoder layer's activations per token in bf16 (fp32 where the RMSNorms upcast), recomputed in its
 # backward: see model_shape.Shape.layer_activation_bytes
 LOGIT_BYTES_TRAINING = 16  # a log-prob chunk's backward per logit: the fp32 logits the log-sum-exp keeps,
-#   the gradients of the gather and of the log-sum-exp, their sum (training._chunk_logprobs)
+#   the gradients of the gather and of the log-sum-exp, their sum (logprobs._chunk_logprobs)
 FINAL_HIDDEN_BYTES = 12    # per token and hidden unit: the last layer's output (2), the final norm's fp32
 #   input (4) and bf16 product (2) kept for its backward, its output (2), the positions' (N, h) copy (2)
 RESERVED_OVER_ALLOCATED = 0.10  # the allocator's reserve while the trainer works, over its tensors. Without

@@ -37,7 +37,7 @@ from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_eng
                     sync_weights, wake_for_rollout)
 from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures,
                       filter_void_turns, group_advantages)
-from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, reference_policy
+from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, trains_adapters_only
 from offload import trainer_offloaded
 from rollout import (add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config,
                      trajectory_metrics)
@@ -222,8 +222,11 @@ model = load_sharded_model(args.model, device, activation_checkpointing=device.t
                            lora=lora_settings(args)).train()
 log(f"model: {describe(model)}; learning rate {peak_lr(args):.2e}")
 # With --kl-coef, the policy the penalty pulls toward: --model as loaded here, whatever checkpoint the
-# run continues (under LoRA the base itself, its adapters switched off: lora.reference_policy).
-reference = reference_policy(model, args.model, device) if args.kl_coef else None
+# run continues. Under LoRA with only adapters training, the policy itself with its adapters off;
+# otherwise a frozen copy, loaded as the policy is (rank 0 reads it), in the base's dtype.
+reference = None
+if args.kl_coef:
+    reference = model if trains_adapters_only(model) else load_sharded_model(args.model, device, frozen=True)
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 eos_ids = model_eos_ids(args.model)  # where vLLM ends a turn besides <|im_end|>
 problems, n_long = drop_long_prompts(problems, tokenizer, args.max_prompt, args.tools)

@@ -48,7 +48,7 @@ class UpdateSettings:
 @dataclass
 class Policy:
     """The model being trained and what its update reads. `probes`: prompts whose common start (the system
-    prompt) runs once per micro-batch on CPUs. `reference`: lora.reference_policy's, when kl_coef > 0."""
+    prompt) runs once per micro-batch on CPUs. `reference`: train.py's, when kl_coef > 0."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     pad_id: int

@@ -23,7 +23,7 @@ at most 2 s). As in the paper (§3.2), most trajectories are short and a few are
 Three regimes, one engine each, sized in KV-cache tokens: the workload's worst-case KV demand
 (every trajectory resident at once at its final length, in whole KV blocks) over the engine's
 capacity is 1 (ample: everything fits), 2 or 4. Per arm and regime: wall time, sampled tokens per
-second, the engine's idle share (wall time not spent in engine.step), vLLM's preemption count and
+second, the engine's idle share (wall time not spent in the engine's step()), vLLM's preemption count and
 the prompt tokens each turn had to prefill (those not found in the prefix cache). The last lines:
 `scheduler speedup vs lockstep: <x>` (the 2x regime) and
 `scheduler speedup vs async: ample <a>, 2x <b>, 4x <c>`. About 4 minutes on 2 CPU cores.

@@ -1,12 +1,17 @@
 """The README and docs/*.md cite code as `file.name` (a module's function, class or constant) or
-`file.Class.method`; each such name must exist in that file, so a rename or a move shows up here."""
+`file.Class.method`; each such name must exist in that file, so a rename or a move shows up here.
+The code's comments and docstrings cite it the same way, without the backticks."""
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = {p.stem: p for p in ROOT.glob("*.py")}
 CITATION = re.compile(r"`(\w+)\.(\w+)(?:\.(\w+))?")
+PLAIN_CITATION = re.compile(r"(?<![\w.`])(\w+)\.(\w+)(?:\.(\w+))?")  # in code's prose: no backticks
+CODE = sorted(p for folder in (ROOT, ROOT / "data", ROOT / "bench", ROOT / "tests") for p in folder.glob("*.py"))
 FILE_TYPES = {"py", "jsonl", "json", "md", "txt", "csv", "png", "sh"}  # `train.jsonl` names a file, not code
 
 
@@ -31,22 +36,50 @@ def top_level_names(path: Path) -> dict[str, set[str]]:
     return {name: classes.get(name, set()) for name in defined_names(body)}
 
 
-def citations(text: str):
-    """(module, name, method or None) for each backticked `module.name` whose module is one of ours."""
-    for module, name, method in CITATION.findall(text):
-        if module in MODULES and name not in FILE_TYPES:
+def citations(text: str, pattern=CITATION, local_names=()):
+    """(module, name, method or None) for each backticked `module.name` whose module is one of ours;
+    a module name the file also binds itself (a variable `engine`, say) cites that variable."""
+    for module, name, method in pattern.findall(text):
+        if module in MODULES and name not in FILE_TYPES and module not in local_names:
             yield module, name, method or None
 
 
-def missing_citations(text: str) -> list[str]:
+def missing_citations(text: str, pattern=CITATION, local_names=()) -> list[str]:
     missing = []
-    for module, name, method in citations(text):
+    for module, name, method in citations(text, pattern, local_names):
         names = top_level_names(MODULES[module])
         if name not in names:
             missing.append(f"{module}.{name}")
         elif method and names[name] and method not in names[name]:
             missing.append(f"{module}.{name}.{method}")
     return missing
+
+
+def prose_and_names(source: str) -> list[tuple[str, set[str]]]:
+    """A Python file's comments and docstrings, each with the names bound where it stands (a function's
+    or a class's arguments and assignments, and the module's): there `engine.step` is a variable's."""
+    tree = ast.parse(source)
+    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+
+    def scope(line):  # the functions and classes around a line, innermost last
+        return [f for f in scopes if f.lineno <= line <= f.end_lineno]
+
+    bound = {}  # a function or class (None: the module) -> the names bound in it
+    for node in ast.walk(tree):
+        name = node.arg if isinstance(node, ast.arg) else node.id if isinstance(node, ast.Name) and \
+            isinstance(node.ctx, ast.Store) else None
+        if name:
+            inner = scope(node.lineno)
+            bound.setdefault(inner[-1] if inner else None, set()).add(name)
+
+    def names_at(line):
+        return set().union(bound.get(None, set()), *(bound.get(f, set()) for f in scope(line)))
+    texts = [(t.string, names_at(t.start[0])) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+             if t.type == tokenize.COMMENT]
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            texts.append((ast.get_docstring(node, clean=False) or "", names_at(getattr(node, "lineno", 0))))
+    return texts
 
 
 def test_the_checker_catches_a_name_that_moved():
@@ -64,3 +97,25 @@ def test_every_code_name_the_readme_and_docs_cite_exists():
         missing = missing_citations(doc.read_text())
         assert not missing, f"{doc.relative_to(ROOT)} cites names its files do not have: {missing}\n" \
                             "---> HINT: cite the file where the name lives today"
+
+
+def test_the_code_checker_reads_comments_and_docstrings_and_knows_a_variable():
+    source = ('"""Runs grpo_roc.policy_loss and training.load_sharded_model."""\n'
+              "# training._chunk_logprobs\n"
+              "class Plan:\n"
+              "    training: str = ''  # a field\n"
+              "def f(engine):  # engine.step() is the argument's\n"
+              "    training = 1  # update.UpdateSettings.kl\n"
+              "    return engine.step()\n")
+    missing = [name for prose, bound in prose_and_names(source)
+               for name in missing_citations(prose, PLAIN_CITATION, bound)]
+    assert missing == ["training._chunk_logprobs", "update.UpdateSettings.kl"], \
+        "a module-level comment cites the module even where a function names a variable like it"
+
+
+def test_every_code_name_the_code_comments_cite_exists():
+    for path in CODE:
+        missing = [name for prose, bound in prose_and_names(path.read_text())
+                   for name in missing_citations(prose, PLAIN_CITATION, bound)]
+        assert not missing, f"{path.relative_to(ROOT)}'s comments cite names their files do not have: " \
+                            f"{missing}\n---> HINT: cite the file where the name lives today"

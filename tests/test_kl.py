@@ -1,6 +1,6 @@
 """The KL penalty to a reference policy (train.py --kl-coef, grpo_roc.py (12)) on a tiny random Qwen3: one
 process, no vLLM, no download. The reference is the run's --model: a frozen copy, or under LoRA the policy
-with its adapters off (lora.reference_policy)."""
+with its adapters off (lora.trains_adapters_only)."""
 import argparse
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from grpo_roc import policy_loss
 from logprobs import token_logprobs
-from lora import adapters_off, add_lora_flags, lora_settings, reference_policy, trainable
+from lora import adapters_off, add_lora_flags, lora_settings, trainable, trains_adapters_only
 from test_update import PROBES, rollouts, tiny_model, update
 from training import init_distributed, load_sharded_model
 
@@ -83,8 +83,9 @@ def plain_gradient(logp, advantages, loss_mask, n_loss_tokens):
 
 def test_the_penalty_is_zero_at_the_first_step_and_grows_as_the_policy_moves(base_dir):
     model = load_sharded_model(str(base_dir), CPU).train()
-    reference = reference_policy(model, str(base_dir), CPU)
-    assert reference is not model and not any(p.requires_grad for p in reference.parameters())
+    assert not trains_adapters_only(model), "without LoRA the reference is a frozen copy"
+    reference = load_sharded_model(str(base_dir), CPU, frozen=True)  # as train.py loads it
+    assert not any(p.requires_grad for p in reference.parameters())
     frozen = {name: p.detach().full_tensor().clone() for name, p in reference.named_parameters()}  # sharded
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     kept = rollouts()
@@ -101,7 +102,7 @@ def test_a_larger_beta_holds_the_policy_closer_to_the_reference(base_dir):
     kl = {}
     for beta in (0.0, 10.0):
         model = load_sharded_model(str(base_dir), CPU).train()
-        reference = reference_policy(model, str(base_dir), CPU)
+        reference = load_sharded_model(str(base_dir), CPU, frozen=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for _ in range(4):
             row = update(model, optimizer, rollouts(), [1.0, -1.0] * 3, PROBES, reference, kl_coef=beta)
@@ -118,7 +119,7 @@ def lora_model(base_dir, *argv):
 
 def test_lora_reference_is_the_base_with_the_adapters_off_and_no_copy(base_dir):
     model = lora_model(base_dir)
-    assert reference_policy(model, str(base_dir), CPU) is model, "under LoRA the reference is no second copy"
+    assert trains_adapters_only(model), "under LoRA the reference is the policy itself, no second copy"
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-2)
     kept = rollouts()
     rows = [update(model, optimizer, kept, [1.0, -1.0] * 3, PROBES, model, kl_coef=0.1) for _ in range(3)]
@@ -149,6 +150,6 @@ def test_the_lora_references_pass_leaves_the_policys_update_as_it_was(base_dir, 
 def test_lora_with_a_module_trained_in_full_gets_a_frozen_copy_of_the_base(base_dir):
     """With --lora-train lm_head the head trains too: with the adapters off it would still be trained."""
     model = lora_model(base_dir, "--lora-train", "lm_head")
-    reference = reference_policy(model, str(base_dir), CPU)
-    assert reference is not model
+    assert not trains_adapters_only(model), "with a trained head, adapters_off would still run it trained"
+    reference = load_sharded_model(str(base_dir), CPU, frozen=True)
     torch.testing.assert_close(scores(reference), scores(tiny_model()), msg="the copy is not the base")

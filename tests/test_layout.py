@@ -47,6 +47,31 @@ def test_no_file_imports_a_script():
     assert not bad, "a script must import libraries only; move what they share into a library: " + "; ".join(bad)
 
 
+def import_circles(imports: dict) -> list[list]:
+    """Each circle of imports (a -> b -> ... -> a) in {file: the files it imports}, once per circle."""
+    circles = []
+
+    def walk(path, trail):
+        for imported in sorted(imports.get(path, ())):
+            if imported == trail[0]:
+                circles.append(trail + [imported])
+            elif imported > trail[0] and imported not in trail:  # each circle from its smallest file only
+                walk(imported, trail + [imported])
+    for start in sorted(imports):
+        walk(start, [start])
+    return circles
+
+
+def test_no_library_imports_its_importer_back():
+    """A circle, even through an import inside a function, means two files share a job: the order they
+    load in decides what works, and a reader cannot read one before the other."""
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+    imports = {path: project_imports(path) for path in FILES}
+    circles = [" -> ".join(str(p.relative_to(ROOT)) for p in c) for c in import_circles(imports)]
+    assert not circles, f"import circles: {circles}\n---> HINT: move what both need into one of them"
+
+
 def test_no_two_files_share_a_name():
     """`import sandbox` must name one file: a script in bench/ or data/ named like a library makes a
     reader (and `python bench/x.py`, whose own folder comes first on sys.path) take one for the other."""
