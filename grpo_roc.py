@@ -18,12 +18,15 @@ What this file does (paper §2.2.3, Eq. 4-7) and where it departs from the paper
    of at most G is kept whole (`short_group` if < G).
 5. `downsample_uniform`, the paper's "GRPO with tool" ablation at equal compute: (2), then G of 2G uniformly.
 6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
-7. Loss: PPO clip with Clip-Higher (eps_low 0.2, eps_high 0.28), token-level as in DAPO: any split into
-   micro-batches and ranks gives one big batch's gradient. No entropy bonus, no dual clip, no KL unless
-   (12) adds it. With one optimizer step per RL step (--mini-batches 1, the default, as in the paper)
-   the ratio is 1 and the clip never acts; it acts only with --mini-batches > 1. The old log-probs are
-   the trainer's own, so the sampler's mismatch never enters the ratio; (11) weighs tokens for it.
-8. Loss metrics are normalised by `n_loss_tokens`, so they add up to step-level means.
+7. Loss: PPO clip with Clip-Higher (EPS_LOW 0.2, EPS_HIGH 0.28), token-level as in DAPO: the summed
+   token losses over the optimizer step's loss tokens on every rank (policy_loss chooses this
+   denominator), so any split into micro-batches and ranks gives one big batch's gradient. No entropy
+   bonus (the entropy is measured), no dual clip, no KL unless (12) adds it. With one optimizer step
+   per RL step (--mini-batches 1, the default, as in the paper) the ratio is 1 and the clip never
+   acts; it acts only with --mini-batches > 1. The old log-probs are the trainer's own, so the
+   sampler's mismatch never enters the ratio; (11) weighs tokens for it.
+8. Loss metrics are normalised by `n_loss_tokens`, so they add up to step-level means: the clipped
+   shares, the ratio, the KL terms and the policy's entropy.
 9. Sandbox failures (always on): such a rollout has no outcome and leaves before its reward is read;
    its group leaves too when fewer than G would remain, since it would be judged on less evidence.
 10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended with
@@ -44,6 +47,8 @@ from rollout import Trajectory
 
 PENALTY_EPS = 1e-3   # (4) keeps 1 / p_total finite for a flawless rollout
 ADV_EPS = 1e-6       # (6) verl's value
+EPS_LOW = 0.2        # (7) the PPO clip below (train.py's --eps-low)
+EPS_HIGH = 0.28      # (7) and above, higher (Clip-Higher: --eps-high)
 
 
 # -----------------------------------------------------------------------------
@@ -157,12 +162,6 @@ DOWNSAMPLER_SETTINGS = {"roc": {"positive_weight": "a name in POSITIVE_WEIGHTS (
 # -----------------------------------------------------------------------------
 # (6)-(8) group advantages and the clipped token-level policy loss
 
-def loss_denominator(kept: list[Trajectory]) -> int:
-    """(7) The step's loss tokens, which every micro-batch on every rank divides its summed token losses
-    by, so the loss is DAPO's token-level mean. The metrics stay per loss token whatever this returns."""
-    return max(1, sum(t.num_loss_tokens for t in kept))
-
-
 def group_advantages(rewards) -> torch.Tensor:
     """(6) Advantages of one kept group; (G,)."""
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()  # (G,)
@@ -171,12 +170,14 @@ def group_advantages(rewards) -> torch.Tensor:
     return (r - r.mean()) / (r.std(unbiased=True) + ADV_EPS)  # (G,)
 
 
-def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.2, eps_high=0.28,
-                token_weights=None, denominator=None, ref_logp=None, kl_coef=0.0):
-    """(7) PPO-clip with Clip-Higher, the masked sum over tokens divided by `denominator` (default
-    n_loss_tokens). Only logp (B, T) carries the gradient; a rollout's advantage (B,) applies to all its
-    tokens; token_weights (B, T) are (11)'s, ref_logp (B, T) adds (12). Each metric is a masked sum /
-    n_loss_tokens (8): the clipped shares, ratio_mean, approx_kl (k3 to old_logp) and kl_ref (k3 to ref)."""
+def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                token_weights=None, ref_logp=None, kl_coef=0.0, entropy=None, n_rollouts=None):
+    """(7) PPO-clip with Clip-Higher, the masked sum over tokens divided by n_loss_tokens: the optimizer
+    step's loss tokens on every rank (n_rollouts, its rollouts on every rank, is there for a loss that
+    averages over sequences). Only logp (B, T) carries the gradient; a rollout's advantage (B,) applies
+    to all its tokens; token_weights (B, T) are (11)'s, ref_logp (B, T) adds (12); entropy
+    (B, T), the policy's at each position, is measured. Each metric is a masked sum / n_loss_tokens (8):
+    the clipped shares, ratio_mean, approx_kl (k3 to old_logp), kl_ref (k3 to ref) and entropy."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
     # Padding could make inf * 0 = nan, so the log-ratio is zero off the mask.
@@ -192,7 +193,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.
     ref_log_ratio = torch.where(mask, ref_logp - logp, torch.zeros_like(logp))  # (B, T)
     kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0                # (B, T) (12) k3
     per_token = per_token + kl_coef * kl_ref                               # (B, T)
-    loss = (per_token * loss_mask).sum() / (denominator or n_loss_tokens)  # (7)
+    loss = (per_token * loss_mask).sum() / n_loss_tokens                   # (7) DAPO's token-level mean
 
     with torch.no_grad():
         n = float(n_loss_tokens)
@@ -205,6 +206,7 @@ def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=0.
             "ratio_mean": (ratio * loss_mask).sum().item() / n,
             "approx_kl": (k3 * loss_mask).sum().item() / n,
             "kl_ref": (kl_ref * loss_mask).sum().item() / n,
+            "entropy": (entropy * loss_mask).sum().item() / n if entropy is not None else 0.0,
         }
     return loss, metrics
 

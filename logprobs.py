@@ -17,6 +17,9 @@
    sequence its own positions and causal block, with or without a shared prefix; the log-probs come
    back in the padded layout, so the losses read them as before (training.plan_micro_batches then
    counts a micro-batch's tokens, not rows x its longest row).
+   Each path can also return each position's entropy (entropy=True): train.py logs its mean, the
+   sign of an entropy collapse. It is measured, not trained: no gradient, and its (chunk x vocabulary)
+   temporaries live within the chunk's forward, under the backward's peak the memory plan counts.
 4. trajectory_tensors: the ids, masks and sampler log-probs of trajectories as the losses read them.
 """
 import warnings
@@ -34,15 +37,17 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
                    chunk_tokens: int = LOGPROB_CHUNK_TOKENS, prefix=None, recompute: bool = True,
-                   packed: bool = False):
+                   packed: bool = False, entropy: bool = False):
     """(1) log softmax(logits / temperature)[input_ids[:, t + 1]] at every position t: (B, T-1), fp32.
     `prefix` (a SharedPrefix): every row starts with its tokens; only the rest of each row runs, and
     positions before prefix.length - 1 (prefix tokens scoring prefix tokens: no loss counts them)
     hold 0. `packed` (3): the right-padded rows run as one row without their padding; the log-probs
-    come back in the padded layout, 0 on padding."""
+    come back in the padded layout, 0 on padding. `entropy`: (log-probs, entropies), the second the
+    entropy of softmax(logits / temperature) at each position, (B, T-1) without a gradient, 0 where
+    the log-probs are."""
     if packed:
         return _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, prefix,
-                                recompute)
+                                recompute, entropy)
     start = prefix.length if prefix is not None else 0
     batch = input_ids.shape[0]
     if prefix is None:
@@ -58,26 +63,29 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     positions, width = hidden.shape[1], hidden.shape[2]
     hidden = hidden.reshape(batch * positions, width)           # (N, H)
     targets = input_ids[:, max(start, 1):].reshape(batch * positions)  # (N,)
-    logp = _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute)
-    logp = logp.view(batch, positions)                          # (B, T-1), or (B, T-P) after a prefix
-    if prefix is not None:
-        logp = torch.cat([logp.new_zeros(batch, start - 1), logp], dim=1)  # (B, T-1)
-    return logp
+    values = _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute, entropy)
+
+    def place(x):  # (N,) -> (B, T-1)
+        x = x.view(batch, positions)                            # (B, T-1), or (B, T-P) after a prefix
+        return x if prefix is None else torch.cat([x.new_zeros(batch, start - 1), x], dim=1)
+    return (place(values[:, 0]), place(values[:, 1].detach())) if entropy else place(values)
 
 
-def _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute):
-    """The head and the log-softmax over chunks of positions: hidden (N, H), targets (N,) -> (N,)."""
+def _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute, entropy=False):
+    """The head and the log-softmax over chunks of positions: hidden (N, H), targets (N,) -> (N,), or
+    with `entropy` (N, 2): the log-probs and the entropies."""
     head = model.get_output_embeddings()
     chunks = []
     for begin in range(0, hidden.shape[0], chunk_tokens):
         piece = (hidden[begin:begin + chunk_tokens], targets[begin:begin + chunk_tokens], head.weight,
-                 head.bias, temperature)
+                 head.bias, temperature, entropy)
         chunks.append(checkpoint(_chunk_logprobs, *piece, use_reentrant=False) if recompute
                       else _chunk_logprobs(*piece))
     return torch.cat(chunks)
 
 
-def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, prefix, recompute):
+def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, prefix, recompute,
+                     entropy=False):
     """(3) The right-padded rows as one row of their tokens back to back. Each sequence keeps its own
     positions and its own causal block (itself and the shared prefix, never the sequence before it),
     so the log-probs and the gradients are the padded rows' (tests/test_training.py), while no padding
@@ -106,11 +114,12 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens
         hidden = hidden[torch.where(offset > 0, every, 0)]                             # (L, H)
         targets = flat                                                                 # (L,)
         layout = valid                                                                 # (B, T-P)
-    logp = _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute)  # (N,)
-    logp = logp.new_zeros(layout.shape).masked_scatter(layout, logp)       # (B, T-1), or (B, T-P)
-    if prefix is not None:
-        logp = torch.cat([logp.new_zeros(batch, start - 1), logp], dim=1)  # (B, T-1)
-    return logp
+    values = _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute, entropy)
+
+    def place(x):  # (N,) -> (B, T-1)
+        x = x.new_zeros(layout.shape).masked_scatter(layout, x)           # (B, T-1), or (B, T-P)
+        return x if prefix is None else torch.cat([x.new_zeros(batch, start - 1), x], dim=1)
+    return (place(values[:, 0]), place(values[:, 1].detach())) if entropy else place(values)
 
 
 def _packed_attention(module, query, key, value, attention_mask, packed_lengths=None, **kwargs):
@@ -146,9 +155,15 @@ AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
 AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # (the padded rows' masks, as sdpa's)
 
 
-def _chunk_logprobs(hidden, targets, weight, bias, temperature):
+def _chunk_logprobs(hidden, targets, weight, bias, temperature, entropy=False):
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature  # (n, V)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)    # (n,)
+    log_z = logits.logsumexp(-1)                                                    # (n,)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z                  # (n,)
+    if not entropy:
+        return logp
+    with torch.no_grad():  # H = log Z - E_p[logits]; a measurement: nothing (n, V) more is kept
+        h = log_z - (torch.softmax(logits, -1) * logits).sum(-1)                    # (n,)
+    return torch.stack([logp, h], dim=-1)                                           # (n, 2)
 
 
 def shared_prefix_length(rows) -> int:

@@ -3,6 +3,7 @@ and the RL curves as a PNG. A library: it reads the files the stages wrote (an e
 table.json and samples.jsonl, an RL run's metrics.jsonl) and computes nothing that they did not.
 """
 import json
+import math
 import os
 import statistics
 from collections import defaultdict
@@ -11,7 +12,8 @@ ROWS = [("accuracy (avg@{n}, %)", "avg_pass@1", 100), ("pass@{n} (%)", "pass@{n}
         ("tool-use rate (%)", "tool_use", 100), ("tool-error ratio (%)", "tool_error_ratio", 100),
         ("mean response length (tokens)", "response_length", 1), ("tool calls per sample", "tool_calls", 1)]
 PANELS = [("kept_reward", "reward of the kept rollouts"), ("accuracy", "accuracy of all rollouts"),
-          ("tool_error_ratio_pos", "tool-error ratio, correct rollouts"), ("tool_use", "tool-use rate")]
+          ("tool_error_ratio_pos", "tool-error ratio, correct rollouts"), ("tool_use", "tool-use rate"),
+          ("entropy", "policy entropy, nats a loss token"), ("response_length", "response tokens")]
 
 
 def per_problem(folder: str) -> dict:
@@ -85,7 +87,7 @@ def plot_curves(curves: list, path: str, title: str, one_after_another: bool):
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(9, 6.5))
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
     axes, offset, during = axes.flatten(), 0, []
     for name, out_dir in curves:
         if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
@@ -93,7 +95,7 @@ def plot_curves(curves: list, path: str, title: str, one_after_another: bool):
         with open(os.path.join(out_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
         for ax, (key, panel) in zip(axes, PANELS):
-            ax.plot([offset + r["step"] for r in rows], [r[key] for r in rows], label=name)
+            ax.plot([offset + r["step"] for r in rows], [r.get(key, math.nan) for r in rows], label=name)
             ax.set_title(panel, fontsize=10)
             ax.set_xlabel("RL step")
         offset += len(rows) if one_after_another else 0

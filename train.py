@@ -12,9 +12,10 @@ One RL step, as the step loop at the bottom of this file runs it (what comes bef
    load-balanced scheduler; grade them, reward them. Every rank gets every rollout's numbers.
 3. GRPO-RoC (grpo_roc.py): leave out what the sandbox failed, drop all-equal groups, down-sample
    each group to G, advantages.
-4. The policy update (update.py): --mini-batches optimizer steps (one, as in the paper), each dealt
-   across ranks by token count and packed into micro-batches; the token-level clipped loss divided by
-   the global token count, so any split gives the gradient of one big batch; AdamW.
+4. The policy update, in the loop: --mini-batches optimizer steps (one, as in the paper), each on
+   micro-batches (update.py deals them across ranks by token count and packs them): the log-probs,
+   GRPO-RoC's token-level clipped loss over the step's loss tokens on every rank, so any split gives
+   the gradient of one big batch; backward; the clip and AdamW.
 5. Sync the new weights into the engine.
 Stages hand over through --init-from: the model, the optimizer (not in stage 3) and the data
 stream's position (the same file goes on where the earlier stage stopped; a new one starts afresh).
@@ -35,8 +36,10 @@ from batch import ProblemQueue, ProblemStream, mixed_groups
 from conversation import pad_token_id, prompt_ids
 from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, wake_for_rollout)
-from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, MISMATCH_MODES, drop_sandbox_failures,
-                      filter_void_turns, group_advantages)
+from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, EPS_HIGH, EPS_LOW, MISMATCH_MODES,
+                      drop_sandbox_failures, filter_void_turns, group_advantages, mismatch_correction,
+                      policy_loss)
+from logprobs import token_logprobs
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, trains_adapters_only
 from offload import trainer_offloaded
 from rollout import (add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config,
@@ -45,7 +48,7 @@ from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
                       save_checkpoint, save_hf_checkpoint, start_point)
-from update import Policy, UpdateSettings, policy_update
+from update import Policy, mini_batches, step_metrics
 
 # -----------------------------------------------------------------------------
 # Settings: the flags with the paper's defaults (§4.3), the stages and the presets. They are resolved
@@ -97,27 +100,24 @@ recipe.add_argument("--dynamic-sampling", action="store_true",
                          "the step holds --problems-per-step mixed groups (DAPO's dynamic sampling)")
 recipe.add_argument("--max-draws", type=int, default=4,
                     help="with --dynamic-sampling: a step draws at most this many times --problems-per-step")
-recipe.add_argument("--eps-low", type=float, default=UpdateSettings.eps_low, help="PPO clip below")
-recipe.add_argument("--eps-high", type=float, default=UpdateSettings.eps_high,
-                    help="PPO clip above (Clip-Higher)")
+recipe.add_argument("--eps-low", type=float, default=EPS_LOW, help="PPO clip below")
+recipe.add_argument("--eps-high", type=float, default=EPS_HIGH, help="PPO clip above (Clip-Higher)")
 recipe.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant after warm-up)")
 recipe.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
 
 guards = parser.add_argument_group("guards beyond the paper (off by default; see grpo_roc.py)")
-guards.add_argument("--mismatch-correction", choices=MISMATCH_MODES,
-                    default=UpdateSettings.mismatch_correction,
+guards.add_argument("--mismatch-correction", choices=MISMATCH_MODES, default="none",
                     help="sampler/trainer mismatch: tis weights tokens by min(ratio, k); mask drops tokens "
                          "whose ratio is outside [1/k, k]; seq-mask drops whole trajectories by the "
                          "geometric mean of their ratios")
-guards.add_argument("--mismatch-threshold", type=float, default=UpdateSettings.mismatch_threshold,
+guards.add_argument("--mismatch-threshold", type=float, default=2.0,
                     help="k of --mismatch-correction")
-guards.add_argument("--kl-coef", type=float, default=UpdateSettings.kl_coef,
+guards.add_argument("--kl-coef", type=float, default=0.0,
                     help="beta of GRPO's KL penalty to --model, the initial policy (0: none, as the paper)")
 guards.add_argument("--filter-void-turns", action="store_true",
                     help="leave out trajectories with a turn that has neither a tool call nor an answer")
 
-rollouts = add_rollout_flags(parser, top_p=False, temperature=UpdateSettings.temperature, max_turns=10,
-                             max_response=8192)
+rollouts = add_rollout_flags(parser, top_p=False, max_turns=10, max_response=8192)
 rollouts.add_argument("--max-prompt", type=int, default=2048,
                       help="longest prompt in tokens (sizes the engine's context; longer ones are dropped)")
 rollouts.add_argument("--driver", choices=["scheduler", "lockstep"], default="scheduler",
@@ -128,11 +128,10 @@ rollouts.add_argument("--tool-timeout", type=float, default=5.0, help="seconds p
 
 optimization = parser.add_argument_group("optimization")
 optimization.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-optimization.add_argument("--grad-clip", type=float, default=UpdateSettings.grad_clip,
-                          help="clip the global gradient norm")
-optimization.add_argument("--mini-batches", type=int, default=UpdateSettings.mini_batches,
+optimization.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm")
+optimization.add_argument("--mini-batches", type=int, default=1,
                           help="optimizer steps per RL step (K > 1: the PPO clip acts from the second)")
-optimization.add_argument("--micro-batch-tokens", type=int, default=UpdateSettings.micro_batch_tokens,
+optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
                           help="tokens per forward pass, rows packed without padding (the memory plan "
                                "assumes it)")
 add_lora_flags(optimization)  # --lora-rank and its alpha, dropout, targets and learning-rate scale (lora.py)
@@ -155,8 +154,7 @@ infra.add_argument("--wandb", default="", help="a wandb project name to log to (
 # The settings, resolved once. Each one is its default above, unless the --stage sets it, unless the
 # --preset sets it, unless the command line gives it. `config` is the result: printed when the run
 # starts, saved with each checkpoint, logged. The down-sampler's settings (--downsample-setting NAME=VALUE,
-# a JSON value or else a string) and the update's (update.UpdateSettings) come from it, checked here,
-# before anything slow starts.
+# a JSON value or else a string) come from it, checked here, before anything slow starts.
 
 given = parser.parse_known_args()[0]  # read only for --stage and --preset
 for layer in (STAGES.get(given.stage, {}), PRESETS.get(given.preset, {})):
@@ -177,7 +175,6 @@ for setting in args.downsample_setting:
     except json.JSONDecodeError:
         downsample_settings[name] = value  # a plain string
 downsample([], args.group_size, random.Random(0), **downsample_settings)  # a bad value fails here
-update_settings = UpdateSettings.from_flags(args)
 
 # -----------------------------------------------------------------------------
 # The memory plan (memory_plan.py): --plan prints it and exits; on GPUs it sets the engine's share.
@@ -268,12 +265,12 @@ if args.wandb and master:
     wandb_run = wandb.init(project=args.wandb, config=config)
 
 # -----------------------------------------------------------------------------
-# The policy update (4) is update.py's, on this model: the step loop below calls it. Prompts start
-# alike (the system prompt): on CPUs that runs once per micro-batch, these probes say how far.
+# What the policy update's infrastructure (update.py) needs of this model. Prompts start alike (the
+# system prompt): on CPUs that runs once per micro-batch, these probes say how far.
 
 probes = [prompt_ids(tokenizer, question, args.tools) for question in ("1", "What")]
-policy = Policy(model, optimizer, pad_token_id(tokenizer), device, update_settings, rank, world_size, probes,
-                reference)
+policy = Policy(model, pad_token_id(tokenizer), device, args.temperature, args.micro_batch_tokens, rank,
+                world_size, probes, reference)
 
 # -----------------------------------------------------------------------------
 # The step loop.
@@ -341,13 +338,33 @@ for step in range(start_step, args.steps):
         kept += group
         advantages += group_advantages([t.reward for t in group]).tolist() if group else []
 
-    # ---- 4. the policy update (its tensors are freed when it returns, before the sync) ----
+    # ---- 4. the policy update: --mini-batches optimizer steps, each on this rank's micro-batches ----
     t0 = time.perf_counter()
     warm = min(1.0, (step + 1) / max(args.warmup_steps, 1))
     for g, peak in zip(optimizer.param_groups, peaks):
         g["lr"] = peak * warm
-    lr = peaks[0] * warm  # the first group's: --lr, or under LoRA the adapters' rate
-    row.update(policy_update(policy, kept, advantages, problem_queue), lr=lr)
+    parts = mini_batches(policy, kept, advantages, problem_queue, args.mini_batches)  # (the exchange)
+    for part in parts:
+        for micro in part:
+            logp, entropy = token_logprobs(model, micro.input_ids, micro.attention_mask, args.temperature,
+                                           prefix=micro.prefix, recompute=device.type == "cuda", packed=True,
+                                           entropy=True)                                   # (B, T-1) each
+            old_logp = logp.detach() if micro.old_logp is None else micro.old_logp  # the first: ratio 1
+            # The sampler drew these tokens, not the trainer: an optional correction (grpo_roc.py (11)).
+            weights, loss_mask, stats = mismatch_correction(old_logp, micro.sampler_logp, micro.loss_mask,
+                                                            part.n_loss_tokens, args.mismatch_correction,
+                                                            args.mismatch_threshold)
+            loss, metrics = policy_loss(logp, old_logp, micro.advantages, loss_mask, part.n_loss_tokens,
+                                        args.eps_low, args.eps_high, weights, micro.reference_logprobs(),
+                                        args.kl_coef, entropy, part.n_rollouts)
+            micro.backward(loss)
+            part.record(logp, micro, dict(metrics, **stats, loss=loss.item()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if kept:  # a step where every group was dropped changes nothing
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        part.record_grad_norm(grad_norm)
+    row.update(step_metrics(parts, device), lr=peaks[0] * warm)  # lr: --lr, or under LoRA the adapters'
     row["train_seconds"] = time.perf_counter() - t0
 
     # ---- 5. weight sync: the engine samples the next step with the new weights ----
@@ -369,6 +386,7 @@ for step in range(start_step, args.steps):
               f"drawn | len {row['response_length']:6.1f} | "
               f"tools {row['tool_calls']:.2f} (err {row['tool_error_ratio']:.3f}, "
               f"pos {row['tool_error_ratio_pos']:.3f}) | loss {row['loss']:+.4f} | "
+              f"entropy {row['entropy']:.3f} | "
               + (f"kl_ref {row['kl_ref']:.2e} | " if args.kl_coef else "") +
               f"gnorm {row['grad_norm']:.3f} | mismatch {row['logprob_mismatch']:.1e} | "
               f"rollout {row['rollout_seconds']:.1f}s train {row['train_seconds']:.1f}s "

@@ -1,168 +1,164 @@
-"""The policy update of one RL step (train.py's step 4): GRPO-RoC's loss back-propagated through the model.
+"""What the policy update needs and a reader need not see first. train.py's step 4 is the update itself:
+for each mini-batch, for each micro-batch, the log-probs, grpo_roc.policy_loss, backward; then the clip
+and the optimizer step. This file hands that loop its mini-batches (mini_batches) and each one's
+micro-batches (iterating a MiniBatch), adds up their metrics (record) and reports them (step_metrics).
 
-    settings = UpdateSettings.from_flags(args)
-    policy = Policy(model, optimizer, pad_id, device, settings, rank, world_size, probes, reference)
-    metrics = policy_update(policy, kept, advantages, problem_queue)
-
---mini-batches optimizer steps (one, as in the paper), each planned once into micro-batches across
-ranks. optimizer_step is one step, whole: per micro-batch the log-probs, the loss, its backward; then
-the clip and AdamW. The token-level loss (grpo_roc.py) has one global denominator, so any split gives
-one big batch's gradient. World size 1 is the same code: tests run it on a tiny model without vLLM.
+What it hides: each rank receives the tokens of the rollouts it trains (the exchange); each mini-batch
+is dealt across ranks by token count and packed into micro-batches, the same number on every rank, and
+a rank with none left runs an empty pass (FSDP's collectives need every rank in every pass); on CPUs the
+prompts' common start runs once per mini-batch and the gradient the micro-batches leave on it goes back
+through it once, after the last; the old log-probs of every mini-batch after the first are taken before
+the first step; the reference policy's log-probs (--kl-coef); the loss's scaling by the world size.
+World size 1 is the same code: tests/test_update.py runs train.py's step 4 on a tiny model, no vLLM.
 """
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from grpo_roc import loss_denominator, mismatch_correction, policy_loss
 from logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logprobs, trajectory_tensors
 from lora import adapters_off
 from training import plan_micro_batches
 
 # The metrics of one optimizer step. Each term is already divided by n_loss_tokens, so the micro-batches'
-# values add up; the largest mismatch and the gradient's norm follow. policy_update averages over steps.
-SUMMED = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref", "logprob_mismatch",
-          "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n"]
+# values add up; the largest mismatch and the gradient's norm follow. step_metrics averages over steps.
+SUMMED = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref", "entropy",
+          "logprob_mismatch", "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n"]
 METRICS = SUMMED + ["logprob_mismatch_max", "grad_norm"]
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    """What the update reads, built once from train.py's flags of the same names, whose defaults these
-    are: a new loss option is a field here and a flag there. Each (n) is an item of grpo_roc.py's list."""
-    temperature: float = 1.0           # the sampler's: the trainer scores the same distribution
-    eps_low: float = 0.2               # (7) the PPO clip below
-    eps_high: float = 0.28             # (7) and above (Clip-Higher)
-    mismatch_correction: str = "none"  # (11) none, tis, mask or seq-mask
-    mismatch_threshold: float = 2.0    # (11) C, the edge of the band [1/C, C]
-    kl_coef: float = 0.0               # (12) beta; 0: no reference policy, as in the paper
-    mini_batches: int = 1              # optimizer steps per RL step
-    grad_clip: float = 1.0             # the largest norm of the whole gradient
-    micro_batch_tokens: int = 8192     # tokens per forward pass, rows packed without padding
-
-    @classmethod
-    def from_flags(cls, args) -> "UpdateSettings":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 @dataclass
 class Policy:
-    """The model being trained and what its update reads. `probes`: prompts whose common start (the system
-    prompt) runs once per micro-batch on CPUs. `reference`: train.py's, when kl_coef > 0."""
+    """The model being trained, as the update's infrastructure needs it. `temperature`: the sampler's,
+    so the trainer scores the distribution the rollouts came from. `probes`: prompts whose common start
+    (the system prompt) runs once per micro-batch on CPUs. `reference`: train.py's, with --kl-coef."""
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
     pad_id: int
     device: torch.device
-    settings: UpdateSettings
+    temperature: float
+    micro_batch_tokens: int
     rank: int = 0
     world_size: int = 1
     probes: list[list[int]] = field(default_factory=list)
     reference: torch.nn.Module | None = None
 
     def __post_init__(self):
-        self.shared = 0 if self.device.type == "cuda" or not self.probes else shared_prefix_length(self.probes)
+        on_gpu = self.device.type == "cuda"
+        self.shared = 0 if on_gpu or not self.probes else shared_prefix_length(self.probes)
 
 
-def policy_update(policy: Policy, kept, advantages, problem_queue) -> dict:
-    """--mini-batches optimizer steps on contiguous parts of `kept` (whole groups when G divides a part),
-    each planned once; each rank first receives the tokens of what it trains. Returns the metrics,
-    summed over ranks and averaged over the steps (mismatch: the max)."""
-    k = min(policy.settings.mini_batches, max(len(kept), 1))
+@dataclass
+class MicroBatch:
+    """One micro-batch on this rank, as the loss reads it: B rows of T tokens, right-padded."""
+    input_ids: torch.Tensor        # (B, T)
+    attention_mask: torch.Tensor   # (B, T)
+    loss_mask: torch.Tensor        # (B, T-1): 1 on the tokens the policy sampled, 0 on prompts and tool turns
+    sampler_logp: torch.Tensor     # (B, T-1): the engine's log-probs of those tokens
+    advantages: torch.Tensor       # (B,)
+    old_logp: torch.Tensor | None  # (B, T-1): the policy before the RL step's first optimizer step, or None
+    prefix: SharedPrefix | None    # the common start every row begins with, run once (token_logprobs)
+    policy: Policy
+
+    def reference_logprobs(self) -> torch.Tensor | None:
+        """The reference policy's log-probs (B, T-1), or None without one. Called after the policy's pass:
+        FSDP sets a model up at its first pass from the parameters that train then, and under LoRA the
+        reference is the policy with its adapters off. The prompts run whole (no backward to share)."""
+        if self.policy.reference is None:
+            return None
+        with adapters_off(self.policy.reference):
+            return scores(self.policy, self.policy.reference, self.input_ids, self.attention_mask)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), times the world size: FSDP averages the gradients over ranks, while the loss's
+        denominator already counts every rank's tokens."""
+        (loss * self.policy.world_size).backward()
+
+
+class MiniBatch:
+    """The rollouts of one optimizer step. `n_loss_tokens` and `n_rollouts`: theirs on every rank, for
+    the loss's denominator. Iterating gives this rank's micro-batches, with FSDP's empty passes between them; when
+    the last is done, the shared prefix's gradient goes back through it and the reference lets go of its
+    gathered weights, so the loop then clips and steps. record() adds up each micro-batch's metrics."""
+
+    def __init__(self, policy: Policy, rows: list, advantages: list, micro_batches: list, old: list):
+        self.policy, self.rows, self.advantages, self.micro_batches = policy, rows, advantages, micro_batches
+        self.old = old  # per micro-batch: the log-probs the ratio is against, or None (the first step)
+        self.n_loss_tokens = max(1, sum(t.num_loss_tokens for t in rows))
+        self.n_rollouts = max(1, len(rows))
+        self.sums = dict.fromkeys(METRICS, 0.0)
+
+    def __iter__(self):
+        policy = self.policy
+        prefix = shared_prefix(policy, self.rows, self.micro_batches)
+        for micro_batch, old_logp in zip(self.micro_batches, self.old):
+            if not micro_batch:
+                empty_pass(policy.model, policy.pad_id, policy.device)
+                if policy.reference is not None:  # the reference's own empty pass
+                    with adapters_off(policy.reference):
+                        empty_pass(policy.reference, policy.pad_id, policy.device)
+                continue
+            tensors = trajectory_tensors([self.rows[i] for i in micro_batch], policy.pad_id, policy.device)
+            advantages = torch.tensor([self.advantages[i] for i in micro_batch], device=policy.device)  # (B,)
+            yield MicroBatch(*tensors, advantages, old_logp, prefix, policy)
+        if prefix is not None:
+            prefix.backward()  # the gradient every micro-batch left on the shared prefix goes through it once
+        if policy.reference is not None and policy.reference is not policy.model:
+            policy.reference.reshard()  # FSDP keeps a root's weights gathered for a backward that never comes
+
+    def record(self, logp: torch.Tensor, micro: MicroBatch, metrics: dict) -> None:
+        """Adds one micro-batch's metrics (each a sum / n_loss_tokens) and how far the trainer's log-probs
+        are from the sampler's."""
+        mismatch = (logp.detach() - micro.sampler_logp).abs() * micro.loss_mask                 # (B, T-1)
+        metrics = dict(metrics, logprob_mismatch=mismatch.sum().item() / self.n_loss_tokens)
+        for key in SUMMED:
+            self.sums[key] += metrics.get(key, 0.0)
+        self.sums["logprob_mismatch_max"] = max(self.sums["logprob_mismatch_max"], mismatch.max().item())
+
+    def record_grad_norm(self, grad_norm) -> None:
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # Every rank holds the whole norm, and step_metrics sums the ranks' values: divide here.
+        self.sums["grad_norm"] = float(grad_norm) / self.policy.world_size
+
+
+def mini_batches(policy: Policy, kept: list, advantages: list, problem_queue, k: int = 1) -> list[MiniBatch]:
+    """The RL step's kept rollouts as min(k, len(kept)) contiguous parts (whole groups when G divides a
+    part), each planned once into micro-batches across ranks; each rank first receives the tokens of what
+    it trains. With k > 1 the ratio of every part is against the policy before the first optimizer step:
+    each part is scored now."""
+    k = min(k, max(len(kept), 1))
     parts = []
     for j in range(k):
         part = range(j * len(kept) // k, (j + 1) * len(kept) // k)
         rows = [kept[i] for i in part]
         lengths = [t.prompt_length + t.response_length - policy.shared for t in rows]  # about what runs
-        plan = plan_micro_batches(lengths, policy.settings.micro_batch_tokens, policy.world_size, packed=True)
+        plan = plan_micro_batches(lengths, policy.micro_batch_tokens, policy.world_size, packed=True)
         rows = problem_queue.exchange(rows, plan)  # from the rank that rolled each one out
         parts.append((rows, [advantages[i] for i in part], plan[policy.rank]))
-    # From the second step on, the ratio is against the policy before the first: score every part now.
-    old = [old_logprobs(policy, rows, mine) if k > 1 else None for rows, _, mine in parts]
-    steps = [optimizer_step(policy, *part, part_old) for part, part_old in zip(parts, old)]
-    row = mean_over_steps(steps, METRICS, policy.device)
-    row["ess"] = effective_sample_size(row.pop("ess_sum_w"), row.pop("ess_sum_w2"), row.pop("ess_n"))
-    row["optimizer_steps"] = k
-    return row
-
-
-def optimizer_step(policy: Policy, kept, advantages, micro_batches, old) -> dict:
-    """One optimizer step on this rank's `micro_batches` of `kept` (lists of indices; an empty one still
-    runs a pass: FSDP needs every rank in every pass). `old`: per micro-batch, the log-probs the ratio is
-    against, or None in the first step (ratio 1). Returns this rank's metric sums, each / n_loss_tokens."""
-    s, model, device = policy.settings, policy.model, policy.device
-    n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))  # the metrics' global denominator (8)
-    denominator = loss_denominator(kept)                           # the loss's (7), the same on every rank
-    prefix = shared_prefix(policy, kept, micro_batches)
-    sums = dict.fromkeys(METRICS, 0.0)
-    for micro_batch, old_logp in zip(micro_batches, old or [None] * len(micro_batches)):
-        if not micro_batch:
-            empty_pass(model, policy.pad_id, device)
-            reference_logprobs(policy, kept, micro_batch)  # the reference's own empty pass
-            continue
-        input_ids, attention_mask, loss_mask, sampler_logp = trajectory_tensors(
-            [kept[i] for i in micro_batch], policy.pad_id, device)
-        # Packed rows; on GPUs each chunk's head is recomputed in the backward, on CPUs its logits are kept.
-        logp = token_logprobs(model, input_ids, attention_mask, s.temperature, prefix=prefix,
-                              recompute=device.type == "cuda", packed=True)                  # (B, T-1)
-        # The reference runs after the policy: FSDP sets a model up at its first pass from the parameters
-        # that train then, and under LoRA the reference is the policy with none training.
-        ref_logp = reference_logprobs(policy, kept, micro_batch)  # (B, T-1), or None without --kl-coef
-        if old_logp is None:  # the first step: the policy before it is this one, the ratio 1
-            old_logp = logp.detach()                                                        # (B, T-1)
-        adv = torch.tensor([advantages[i] for i in micro_batch], device=device)            # (B,)
-        # The sampler drew these tokens, not the trainer: an optional correction (grpo_roc.py (11)).
-        weights, kept_mask, stats = mismatch_correction(old_logp, sampler_logp, loss_mask, n_loss_tokens,
-                                                        s.mismatch_correction, s.mismatch_threshold)
-        loss, metrics = policy_loss(logp, old_logp, adv, kept_mask, n_loss_tokens, s.eps_low, s.eps_high,
-                                    token_weights=weights, denominator=denominator, ref_logp=ref_logp,
-                                    kl_coef=s.kl_coef)
-        # FSDP averages the gradients over ranks, while the denominator already counts every rank's tokens.
-        (loss * policy.world_size).backward()
-        mismatch = (logp.detach() - sampler_logp).abs() * loss_mask                        # (B, T-1)
-        metrics.update(stats, loss=loss.item(), logprob_mismatch=mismatch.sum().item() / n_loss_tokens)
-        for key in SUMMED:
-            sums[key] += metrics[key]
-        sums["logprob_mismatch_max"] = max(sums["logprob_mismatch_max"], mismatch.max().item())
-    if prefix is not None:
-        prefix.backward()  # the gradient every micro-batch left on the shared prefix goes through it once
-    if policy.reference is not None and policy.reference is not model:
-        policy.reference.reshard()  # FSDP keeps a root's weights gathered for a backward that never comes
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-    if kept:  # a step where every group was dropped changes nothing
-        policy.optimizer.step()
-    policy.optimizer.zero_grad(set_to_none=True)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    # Every rank holds the whole norm, and mean_over_steps sums the ranks' values: divide here.
-    return dict(sums, grad_norm=grad_norm.item() / policy.world_size)
+    old = [old_logprobs(policy, rows, mine) if k > 1 else [None] * len(mine) for rows, _, mine in parts]
+    return [MiniBatch(policy, *part, part_old) for part, part_old in zip(parts, old)]
 
 
 @torch.no_grad()
 def old_logprobs(policy: Policy, kept, micro_batches) -> list[torch.Tensor | None]:
     """The current policy's log-probs of each of this rank's `micro_batches` of `kept`, (B, T-1) as the
-    step will compute them; None for an empty micro-batch."""
+    step will compute them; None for an empty micro-batch (after its empty pass)."""
     prefix = shared_prefix(policy, kept, micro_batches)
-    return [scores(policy, policy.model, kept, micro_batch, prefix) for micro_batch in micro_batches]
-
-
-def reference_logprobs(policy: Policy, kept, micro_batch) -> torch.Tensor | None:
-    """The reference policy's log-probs of one micro-batch (B, T-1); None without a reference. The prompts
-    run whole: with no backward to share, running their common start once saves little."""
-    if policy.reference is None:
-        return None
-    with adapters_off(policy.reference):  # under LoRA the reference is the policy without its adapters
-        return scores(policy, policy.reference, kept, micro_batch)
+    old = []
+    for micro_batch in micro_batches:
+        if not micro_batch:
+            empty_pass(policy.model, policy.pad_id, policy.device)
+            old.append(None)
+            continue
+        input_ids, attention_mask, _, _ = trajectory_tensors([kept[i] for i in micro_batch], policy.pad_id,
+                                                             policy.device)
+        old.append(scores(policy, policy.model, input_ids, attention_mask, prefix))
+    return old
 
 
 @torch.no_grad()
-def scores(policy: Policy, model, kept, micro_batch, prefix=None) -> torch.Tensor | None:
-    """`model`'s log-probs of one micro-batch of `kept` (B, T-1), by the function that scores the policy
-    in the step, without gradients; for an empty micro-batch an empty pass, and None."""
-    if not micro_batch:
-        empty_pass(model, policy.pad_id, policy.device)
-        return None
-    input_ids, attention_mask, _, _ = trajectory_tensors([kept[i] for i in micro_batch], policy.pad_id,
-                                                         policy.device)
-    return token_logprobs(model, input_ids, attention_mask, policy.settings.temperature, prefix=prefix,
+def scores(policy: Policy, model, input_ids, attention_mask, prefix=None) -> torch.Tensor:
+    """`model`'s log-probs of a micro-batch (B, T-1), as the step computes the policy's, without gradients."""
+    return token_logprobs(model, input_ids, attention_mask, policy.temperature, prefix=prefix,
                           recompute=False, packed=True)  # (B, T-1): no backward to recompute for
 
 
@@ -176,15 +172,19 @@ def shared_prefix(policy: Policy, kept, micro_batches) -> SharedPrefix | None:
     return SharedPrefix(policy.model, torch.tensor(policy.probes[0][:length], device=policy.device))
 
 
-def mean_over_steps(steps: list[dict], keys: list[str], device) -> dict:
-    """Each key of one dict per optimizer step: summed over ranks, then averaged over the steps; a key
-    ending in "_max" is the largest instead. In float64: sums of many small terms keep their digits."""
-    values = torch.tensor([[s[k] for k in keys] for s in steps], dtype=torch.float64).to(device)  # (K, keys)
-    total, highest = values.clone(), values.clone()
+def step_metrics(parts: list[MiniBatch], device) -> dict:
+    """The update's metrics: each summed over ranks, then averaged over the optimizer steps (a key ending
+    in "_max" is the largest instead); the effective sample size of (11); the number of steps. In
+    float64: sums of many small terms keep their digits."""
+    values = torch.tensor([[p.sums[k] for k in METRICS] for p in parts], dtype=torch.float64).to(device)
+    total, highest = values.clone(), values.clone()                                        # (K, metrics)
     dist.all_reduce(total)
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    is_max = torch.tensor([k.endswith("_max") for k in keys], device=device)                   # (keys,)
-    return dict(zip(keys, torch.where(is_max, highest.max(0).values, total.mean(0)).tolist()))
+    is_max = torch.tensor([k.endswith("_max") for k in METRICS], device=device)           # (metrics,)
+    row = dict(zip(METRICS, torch.where(is_max, highest.max(0).values, total.mean(0)).tolist()))
+    row["ess"] = effective_sample_size(row.pop("ess_sum_w"), row.pop("ess_sum_w2"), row.pop("ess_n"))
+    row["optimizer_steps"] = len(parts)
+    return row
 
 
 def effective_sample_size(sum_w, sum_w2, n) -> float:

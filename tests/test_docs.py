@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES = {p.stem: p for p in ROOT.glob("*.py")}
 CITATION = re.compile(r"`(\w+)\.(\w+)(?:\.(\w+))?")
 PLAIN_CITATION = re.compile(r"(?<![\w.`])(\w+)\.(\w+)(?:\.(\w+))?")  # in code's prose: no backticks
-CODE = sorted(p for folder in (ROOT, ROOT / "data", ROOT / "bench", ROOT / "tests") for p in folder.glob("*.py"))
+FOLDERS = (ROOT, ROOT / "data", ROOT / "bench", ROOT / "tests")
+CODE = sorted(p for folder in FOLDERS for p in folder.glob("*.py"))
 FILE_TYPES = {"py", "jsonl", "json", "md", "txt", "csv", "png", "sh"}  # `train.jsonl` names a file, not code
 
 
@@ -59,7 +60,8 @@ def prose_and_names(source: str) -> list[tuple[str, set[str]]]:
     """A Python file's comments and docstrings, each with the names bound where it stands (a function's
     or a class's arguments and assignments, and the module's): there `engine.step` is a variable's."""
     tree = ast.parse(source)
-    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    scopes = [n for n in ast.walk(tree) if isinstance(n, kinds)]
 
     def scope(line):  # the functions and classes around a line, innermost last
         return [f for f in scopes if f.lineno <= line <= f.end_lineno]
@@ -83,13 +85,13 @@ def prose_and_names(source: str) -> list[tuple[str, set[str]]]:
 
 
 def test_the_checker_catches_a_name_that_moved():
-    assert missing_citations("`logprobs.token_logprobs` and `update.UpdateSettings`") == []
+    assert missing_citations("`logprobs.token_logprobs` and `update.MiniBatch`") == []
     # File names (grpo_roc.py, train.jsonl) and another package's names (numpy.zeros) are not citations
     # of our code.
     moved = "`training.token_logprobs`, `grpo_roc.py`, `train.jsonl`, `numpy.zeros`"
     assert missing_citations(moved) == ["training.token_logprobs"]
-    assert missing_citations("`update.UpdateSettings.kl_coef`, `update.UpdateSettings.kl`") == \
-        ["update.UpdateSettings.kl"]
+    assert missing_citations("`update.MiniBatch.record`, `update.MiniBatch.kl`") == \
+        ["update.MiniBatch.kl"]
 
 
 def test_every_code_name_the_readme_and_docs_cite_exists():
@@ -105,11 +107,11 @@ def test_the_code_checker_reads_comments_and_docstrings_and_knows_a_variable():
               "class Plan:\n"
               "    training: str = ''  # a field\n"
               "def f(engine):  # engine.step() is the argument's\n"
-              "    training = 1  # update.UpdateSettings.kl\n"
+              "    training = 1  # update.MiniBatch.kl\n"
               "    return engine.step()\n")
     missing = [name for prose, bound in prose_and_names(source)
                for name in missing_citations(prose, PLAIN_CITATION, bound)]
-    assert missing == ["training._chunk_logprobs", "update.UpdateSettings.kl"], \
+    assert missing == ["training._chunk_logprobs", "update.MiniBatch.kl"], \
         "a module-level comment cites the module even where a function names a variable like it"
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, PENALTY_EPS, POSITIVE_WEIGHTS, downsample_uniform, drop_sandbox_failures,
-                      filter_void_turns, format_penalty, group_advantages, loss_denominator, mismatch_correction,
+                      filter_void_turns, format_penalty, group_advantages, mismatch_correction,
                       policy_loss, resample_on_correct, roc_weight, tool_error_penalty)
 from rollout import Trajectory
-from update import effective_sample_size
+from update import MiniBatch, effective_sample_size
 
 
 def traj(reward, calls=1, failures=None, answers=1, turns=2, index=0, void_turns=0, sandbox_failed=False,
@@ -209,15 +209,17 @@ def test_a_variant_of_roc_is_one_setting_uniform_positives_for_example(monkeypat
         resample_on_correct(group, 2, random.Random(0), positive_weight="no such weight")
 
 
-def test_the_loss_denominator_is_the_steps_loss_tokens_and_divides_only_the_loss():
+def test_the_loss_is_a_mean_over_the_steps_loss_tokens_and_so_are_its_metrics():
     kept = [Trajectory(index=0, loss_mask=[0, 1, 1]), Trajectory(index=1, loss_mask=[1, 1, 0, 1])]
-    assert loss_denominator(kept) == 5 and loss_denominator([]) == 1, "DAPO's token-level mean: 5 loss tokens"
+    assert MiniBatch(None, kept, [0.0, 0.0], [], []).n_loss_tokens == 5, "DAPO's token-level mean: 5 tokens"
+    assert MiniBatch(None, [], [], [], []).n_loss_tokens == 1, "a step with nothing kept divides by 1"
     logp = torch.tensor([[-1.0, -2.0]])
-    args = (logp, logp, torch.tensor([1.0]), torch.ones(1, 2), 4)
-    loss, metrics = policy_loss(*args)
-    halved, same = policy_loss(*args, denominator=8)
-    assert math.isclose(halved.item(), loss.item() / 2), "the denominator must divide the loss"
-    assert same == metrics, "the metrics stay per loss token whatever divides the loss"
+    args = (logp, logp, torch.tensor([1.0]), torch.ones(1, 2))
+    loss, metrics = policy_loss(*args, 4, entropy=torch.tensor([[0.5, 1.5]]))
+    halved, same = policy_loss(*args, 8, entropy=torch.tensor([[0.5, 1.5]]))
+    assert math.isclose(loss.item(), -2 / 4) and math.isclose(halved.item(), loss.item() / 2), \
+        "the summed token losses (-1 each at ratio 1, advantage 1) over n_loss_tokens"
+    assert metrics["entropy"] == 2.0 / 4 and same["entropy"] == 2.0 / 8, "the entropy's masked sum / n"
 
 
 def test_seeded_rng_is_reproducible():

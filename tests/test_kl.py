@@ -50,10 +50,9 @@ def toy_tokens(seed=0):
 def test_the_penalty_is_beta_times_k3_per_loss_token_over_the_losses_denominator():
     logp, ref_logp, loss_mask = toy_tokens()
     no_advantage = torch.zeros(3, dtype=torch.float64)  # the clipped term is then 0: the loss is the penalty
-    loss, metrics = policy_loss(logp, logp, no_advantage, loss_mask, 10, ref_logp=ref_logp, kl_coef=0.3,
-                                denominator=20)
+    loss, metrics = policy_loss(logp, logp, no_advantage, loss_mask, 10, ref_logp=ref_logp, kl_coef=0.3)
     by_hand = (hand_k3(logp, ref_logp) * loss_mask).sum()
-    assert loss.item() == pytest.approx(0.3 * by_hand.item() / 20), "not beta x k3 / denominator"
+    assert loss.item() == pytest.approx(0.3 * by_hand.item() / 10), "not beta x k3 / n_loss_tokens"
     assert metrics["kl_ref"] == pytest.approx(by_hand.item() / 10), "kl_ref: per loss token, without beta"
     assert by_hand > 0 and (hand_k3(logp, ref_logp) >= 0).all(), "k3 is never negative"
     _, without = policy_loss(logp, logp, no_advantage, loss_mask, 10)

@@ -159,17 +159,20 @@ def test_the_largest_tensor_grows_with_the_chunk_not_with_tokens_times_vocabular
     model, vocab, tokens, chunk = random_model(), 8192, 512, 64
     input_ids = torch.randint(0, vocab, (1, tokens))
 
-    def largest(chunk_tokens):
+    def largest(chunk_tokens, entropy=False):
         with LargestTensor() as mode:
-            token_logprobs(model, input_ids, torch.ones_like(input_ids), 1.0, chunk_tokens).sum().backward()
+            logp = token_logprobs(model, input_ids, torch.ones_like(input_ids), 1.0, chunk_tokens,
+                                  entropy=entropy)
+            (logp[0] if entropy else logp).sum().backward()
         model.zero_grad()
         return mode.largest
 
     whole = largest(tokens)
     assert whole >= (tokens - 1) * vocab, "the measurement must see the (T, V) logits when there is one chunk"
-    chunked = largest(chunk)
-    assert chunked <= 2 * chunk * vocab, f"largest tensor {chunked:,} elements with {chunk}-token chunks"
-    assert chunked < whole / 4
+    for entropy in (False, True):  # the entropy's (chunk, V) temporaries are a chunk's too
+        chunked = largest(chunk, entropy)
+        assert chunked <= 2 * chunk * vocab, f"largest tensor {chunked:,} elements with {chunk}-token chunks"
+        assert chunked < whole / 4
 
 
 def test_problem_reader_checks_every_line_and_says_what_to_do(tmp_path):
@@ -292,6 +295,35 @@ class TensorsMade(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
                 self.refs.append(weakref.ref(t))
         return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_the_entropy_the_update_logs_is_the_exact_entropy_on_every_path(shared_prefix, packed):
+    """Each position's entropy of softmax(logits / T), from the chunked head (chunks of 5 positions),
+    padded or packed, with the prompts' shared prefix run once or not, against the whole (B, T, V)
+    logits; no gradient, so the log-probs' gradient is the one without it."""
+    model = random_model(tie=True, layers=2)
+    torch.manual_seed(3)
+    shared = torch.randint(0, 8192, (9,)).tolist()
+    rows = [shared + torch.randint(0, 8192, (n,)).tolist() for n in (12, 3, 7, 20)]
+    input_ids = right_pad(rows, 0)                                                      # (B, T)
+    attention_mask = right_pad([[1] * len(row) for row in rows], 0)                     # (B, T)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / 0.7
+    exact = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)        # (B, T-1)
+    scored = attention_mask[:, 1:].bool().clone()                                       # (B, T-1)
+    scored[:, :8] = False  # a prefix run once scores none of its own tokens
+    for recompute in (True, False):
+        prefix = SharedPrefix(model, torch.tensor(shared)) if shared_prefix else None
+        logp, entropy = token_logprobs(model, input_ids, attention_mask, 0.7, 5, prefix, recompute,
+                                       packed=packed, entropy=True)                     # (B, T-1) each
+        assert not entropy.requires_grad and logp.requires_grad
+        assert torch.allclose(entropy[scored], exact[scored], atol=1e-4), \
+            f"entropy differs by {(entropy[scored] - exact[scored]).abs().max()}"
+        if packed:  # (padded rows score their padding too, as their log-probs do: the loss mask drops it)
+            assert (entropy[~attention_mask[:, 1:].bool()] == 0).all(), "packed padding has no entropy"
+        alone = token_logprobs(model, input_ids, attention_mask, 0.7, 5, prefix, recompute, packed=packed)
+        assert torch.equal(logp, alone), "asking for the entropy must not change the log-probs"
 
 
 @pytest.fixture

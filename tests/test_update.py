@@ -1,17 +1,24 @@
-"""The policy update (update.py) on a tiny random Qwen3 model: one process, no vLLM, no torchrun.
+"""The policy update on a tiny random Qwen3 model: one process, no vLLM, no torchrun.
 
-train.py's step 4 is these calls; here they run on hand-made trajectories whose prompts share a
-start (like the system prompt), so the shared-prefix path and the micro-batch plan run too."""
+`update` below is train.py's step 4 (its calls, in its order: a test checks it), run on hand-made
+trajectories whose prompts share a start (like the system prompt), so the shared-prefix path and the
+micro-batch plan of update.py run too."""
+import ast
+import inspect
 import math
+import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from batch import ProblemQueue
+from grpo_roc import EPS_HIGH, EPS_LOW, mismatch_correction, policy_loss
+from logprobs import token_logprobs
 from rollout import TOKENS, Trajectory
-from update import METRICS, SUMMED, Policy, UpdateSettings, old_logprobs, policy_update
+from update import METRICS, SUMMED, Policy, mini_batches, old_logprobs, step_metrics
 
 VOCAB, SHARED_START = 64, [1, 2, 3, 4, 5, 6]
 PROBES = [SHARED_START + [7, 8], SHARED_START + [9, 10]]
@@ -31,9 +38,9 @@ def tiny_model(seed=0):
     return Qwen3ForCausalLM(config).train()
 
 
-def settings(**changes) -> UpdateSettings:
-    """train.py's defaults, but no gradient clipping and every row of these tests in one micro-batch."""
-    return UpdateSettings(**dict(dict(grad_clip=1e9, micro_batch_tokens=4096), **changes))
+# train.py's defaults, but no gradient clipping and every row of these tests in one micro-batch
+DEFAULTS = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, mismatch_correction="none",
+                mismatch_threshold=2.0, kl_coef=0.0, mini_batches=1, grad_clip=1e9, micro_batch_tokens=4096)
 
 
 def rollouts(n=6, seed=0):
@@ -53,19 +60,47 @@ def rollouts(n=6, seed=0):
 
 
 def update(model, optimizer, kept, advantages, probes=(), reference=None, **changes):
-    policy = Policy(model, optimizer, 0, torch.device("cpu"), settings(**changes), probes=list(probes),
+    """train.py's step 4 on one process, with its flags `args` (DEFAULTS and `changes`): the metrics."""
+    args, device = SimpleNamespace(**dict(DEFAULTS, **changes)), torch.device("cpu")
+    policy = Policy(model, 0, device, args.temperature, args.micro_batch_tokens, probes=list(probes),
                     reference=reference)
-    return policy_update(policy, kept, advantages, ProblemQueue())
+    parts = mini_batches(policy, kept, advantages, ProblemQueue(), args.mini_batches)
+    for part in parts:
+        for micro in part:
+            logp, entropy = token_logprobs(model, micro.input_ids, micro.attention_mask, args.temperature,
+                                           prefix=micro.prefix, recompute=False, packed=True, entropy=True)
+            old_logp = logp.detach() if micro.old_logp is None else micro.old_logp
+            weights, loss_mask, stats = mismatch_correction(old_logp, micro.sampler_logp, micro.loss_mask,
+                                                            part.n_loss_tokens, args.mismatch_correction,
+                                                            args.mismatch_threshold)
+            loss, metrics = policy_loss(logp, old_logp, micro.advantages, loss_mask, part.n_loss_tokens,
+                                        args.eps_low, args.eps_high, weights, micro.reference_logprobs(),
+                                        args.kl_coef, entropy, part.n_rollouts)
+            micro.backward(loss)
+            part.record(logp, micro, dict(metrics, **stats, loss=loss.item()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if kept:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        part.record_grad_norm(grad_norm)
+    return step_metrics(parts, device)
 
 
-def test_every_update_setting_is_a_train_py_flag_of_the_same_name_and_default():
-    """UpdateSettings.from_flags reads each field from the flag of its name, whose default is the field's."""
-    source = (Path(__file__).resolve().parent.parent / "train.py").read_text()
-    for name in UpdateSettings.__dataclass_fields__:
-        flag = "--" + name.replace("_", "-")
-        own_flag = f'"{flag}"' in source and f"default=UpdateSettings.{name}" in source
-        rollout_flag = f"{name}=UpdateSettings.{name}" in source  # --temperature: rollout.add_rollout_flags'
-        assert own_flag or rollout_flag, f"train.py needs {flag}, defaulting to UpdateSettings.{name}"
+def calls(source: str) -> list[str]:
+    """The functions and methods a piece of code calls, in the order they appear."""
+    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
+    nodes.sort(key=lambda n: (n.lineno, n.col_offset))
+    return [ast.unparse(n.func).split(".")[-1] for n in nodes]
+
+
+def test_these_tests_run_train_py_s_update_as_it_is_written():
+    """`update` is train.py's step 4: the same calls from mini_batches to record_grad_norm, in order."""
+    def loop(source):  # from the loop over the mini-batches to its last line
+        return textwrap.dedent(source[source.index("    for part in parts:"):
+                                      source.index("part.record_grad_norm(grad_norm)") + 32])
+    train_py = (Path(__file__).resolve().parent.parent / "train.py").read_text()
+    assert calls(loop(train_py)) == calls(loop(inspect.getsource(update))), \
+        "train.py's update changed: change `update` here the same way"
 
 
 def test_one_update_on_a_tiny_model_moves_the_weights_on_policy_and_reports_every_metric():
@@ -83,7 +118,7 @@ def test_one_update_on_a_tiny_model_moves_the_weights_on_policy_and_reports_ever
 def test_the_update_scores_exactly_the_sampled_tokens():
     """Sampler log-probs set to the trainer's own: the mismatch must vanish (each token at its position)."""
     model, kept = tiny_model(), rollouts()
-    policy = Policy(model, None, 0, torch.device("cpu"), settings(), probes=PROBES)
+    policy = Policy(model, 0, torch.device("cpu"), 1.0, 4096, probes=PROBES)
     logp = old_logprobs(policy, kept, [list(range(len(kept)))])[0]                       # (B, T-1)
     for row, t in enumerate(kept):
         response = logp[row, len(t.prompt_ids) - 1:len(t.prompt_ids) - 1 + len(t.response_ids)]
