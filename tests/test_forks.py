@@ -59,14 +59,50 @@ FORKS = {
         """),
     "dr-grpo": (["tests/test_update.py::test_the_step_does_not_depend_on_how_it_is_cut_into_micro_batches"], """
         import torch
-        from grpo_roc import group_advantages, loss_denominator
-        from rollout import Trajectory
+        from grpo_roc import group_advantages, policy_loss
 
         def test_advantages_are_centred_not_scaled_and_the_loss_is_per_sequence():
             want = torch.tensor([0.75, -0.25, -0.25, -0.25])
             assert torch.allclose(group_advantages([1.0, 0.0, 0.0, 0.0]), want)
-            kept = [Trajectory(0, loss_mask=[1] * 10), Trajectory(0, loss_mask=[1] * 30)]
-            assert loss_denominator(kept) == 2
+            logp, mask = torch.zeros(2, 30), torch.ones(2, 30)
+            mask[0, 10:] = 0  # rollouts of 10 and 30 loss tokens, advantage 1: -1 a token at ratio 1
+            loss, _ = policy_loss(logp, logp, torch.ones(2), mask, 40, n_rollouts=2)
+            assert loss.item() == -40 / 2, "each rollout's token sum, averaged over the 2 rollouts"
+        """),
+    "gspo": (["tests/test_update.py::test_several_mini_batches_step_from_the_policy_before_the_first",
+              "tests/test_update.py::test_the_step_does_not_depend_on_how_it_is_cut_into_micro_batches"], """
+        import math
+        import torch
+        from grpo_roc import policy_loss
+
+        def test_a_rollouts_tokens_share_its_geometric_mean_ratio_and_the_loss_averages_rollouts():
+            old = torch.zeros(2, 3)
+            logp = torch.tensor([[0.1, 0.2, 0.3], [0.0, 0.0, -0.3]]).requires_grad_()
+            mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # (the second's last token: padding)
+            loss, metrics = policy_loss(logp, old, torch.ones(2), mask, 5, 1.0, 1.0, n_rollouts=2)
+            assert math.isclose(metrics["ratio_mean"], (3 * math.exp(0.2) + 2 * 1.0) / 5, rel_tol=1e-6)
+            assert math.isclose(loss.item(), -(math.exp(0.2) + 1.0) / 2, rel_tol=1e-6)
+            loss.backward()
+            want = -torch.tensor([[math.exp(0.2) / 3] * 3, [0.5, 0.5, 0.0]]) / 2
+            torch.testing.assert_close(logp.grad, want)
+        """),
+    "entropy-bonus": (["tests/test_update.py::test_one_update_on_a_tiny_model_moves_the_weights_on_policy_and_"
+                       "reports_every_metric",
+                       "tests/test_grpo_roc.py::test_policy_loss_golden_value_and_metrics"], """
+        import torch
+        from grpo_roc import policy_loss
+        from logprobs import token_logprobs
+        from test_update import tiny_model
+
+        def test_the_loss_pays_for_entropy_and_its_gradient_reaches_the_model():
+            model, ids = tiny_model(), torch.tensor([[11, 12, 13, 14, 15]])
+            logp, entropy = token_logprobs(model, ids, torch.ones_like(ids), entropy=True)
+            assert entropy.requires_grad, "the entropy must keep its graph for a bonus"
+            mask = torch.ones_like(logp)
+            loss, metrics = policy_loss(logp, logp.detach(), torch.zeros(1), mask, 4, entropy=entropy)
+            assert torch.isclose(loss, -1e-3 * entropy.sum() / 4), "no advantage: the loss is the bonus"
+            loss.backward()
+            assert model.lm_head.weight.grad.abs().sum() > 0, "the bonus must move the head"
         """),
     "dapo-overlong": (["tests/test_eval.py"], """
         import pytest
