@@ -13,13 +13,13 @@ import sys
 
 from conversation import format_tool_response
 from engine import add_engine_flags, make_engine, model_eos_ids, turn_tokens
-from rollout import (add_rollout_flags, add_tool_turn, end_turn, rollout_config, sampling_params,
+from rollout import (EVALUATION, add_rollout_flags, add_tool_turn, end_turn, rollout_config, sampling_params,
                      start_trajectories)
 from sandbox import Sandbox
 
 parser = argparse.ArgumentParser(description="Chat with a checkpoint: its turns, tool calls and answer.")
 parser.add_argument("--model", required=True, help="an HF checkpoint folder (sft.py or train.py output)")
-add_rollout_flags(parser, temperature=0.6, max_turns=30, max_response=30000)  # eval.py's settings
+add_rollout_flags(parser, **EVALUATION)  # eval.py's settings
 parser.add_argument("--max-model-len", type=int, default=None,
                     help="prompt + response tokens (default: the model's context, at most 32768); it caps "
                          "--max-response")

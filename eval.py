@@ -30,8 +30,8 @@ from collections import defaultdict
 
 from conversation import prompt_ids
 from engine import add_engine_flags, make_engine, model_eos_ids
-from rollout import (RolloutConfig, add_rollout_flags, drop_long_prompts, read_problems, rollout_config,
-                     trajectory_metrics)
+from rollout import (EVALUATION, STAGE_ROLLOUTS, TRAINING_TEMPERATURE, RolloutConfig, add_rollout_flags,
+                     drop_long_prompts, read_problems, rollout_config, trajectory_metrics)
 from batch import ProblemQueue
 from scheduler import rollout_scheduled
 from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
@@ -39,7 +39,7 @@ from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's evaluation settings (1); --filter-solved uses training's (4).
 
-FILTER_DEFAULTS = dict(temperature=1.0, max_response=12288, max_turns=10)
+FILTER_DEFAULTS = dict(temperature=TRAINING_TEMPERATURE, **STAGE_ROLLOUTS[2])
 
 
 def get_args(argv=None):
@@ -52,7 +52,7 @@ def get_args(argv=None):
                         help="where named benchmarks are cached (data/prepare_eval.py)")
     parser.add_argument("--n", "--samples", type=int, default=16, dest="n",
                         help="samples per problem (--samples under torchrun, which takes --n for itself)")
-    rollouts = add_rollout_flags(parser, temperature=0.6, max_response=30000, max_turns=30)  # (1)
+    rollouts = add_rollout_flags(parser, **EVALUATION)  # (1)
     rollouts.add_argument("--max-prompt", type=int, default=4096,
                           help="problems whose prompt has more tokens are dropped (and counted)")
     parser.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,

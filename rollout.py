@@ -72,11 +72,19 @@ class Trajectory:
 # The turn logic (docs/design.md §2): a per-trajectory state machine any driver can step.
 #   start_trajectories -> [sampling_params -> engine -> end_turn -> (sandbox) -> add_tool_turn]* -> score
 
+# The paper's rollout settings (§4.3), defined here once: each RL stage's budget and turns (train.py
+# --stage; eval.py's stage-3 filter samples as stage 2 does), and evaluation's (eval.py, chat.py).
+STAGE_ROLLOUTS = {1: dict(max_response=8192, max_turns=10), 2: dict(max_response=12288, max_turns=10),
+                  3: dict(max_response=12288, max_turns=15)}
+TRAINING_TEMPERATURE = 1.0
+EVALUATION = dict(temperature=0.6, max_response=30000, max_turns=30)
+
+
 @dataclass
 class RolloutConfig:
-    max_turns: int = 10            # T: 10 in RL stages 1-2, 15 in stage 3, 30 at evaluation
-    max_response: int = 8192       # one budget for sampled and tool tokens together
-    temperature: float = 1.0
+    max_turns: int = STAGE_ROLLOUTS[1]["max_turns"]        # T: the assistant turns of a trajectory
+    max_response: int = STAGE_ROLLOUTS[1]["max_response"]  # one budget for sampled and tool tokens together
+    temperature: float = TRAINING_TEMPERATURE
     top_p: float = 1.0
     seed: int = 0                  # with `deterministic`: every turn of every rollout derives its own
     deterministic: bool = False    # per-turn seeds: the same samples whatever the batch, sampled slower

@@ -21,6 +21,7 @@ Stages hand over through --init-from: the model, the optimizer (not in stage 3) 
 stream's position (the same file goes on where the earlier stage stopped; a new one starts afresh).
 """
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -42,8 +43,8 @@ from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, EPS_HIGH, EPS_LOW, MIS
 from logprobs import token_logprobs
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, trains_adapters_only
 from offload import trainer_offloaded
-from rollout import (add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems, rollout_config,
-                     trajectory_metrics)
+from rollout import (STAGE_ROLLOUTS, add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems,
+                     rollout_config, trajectory_metrics)
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
@@ -54,10 +55,10 @@ from update import Policy, mini_batches, step_metrics
 # Settings: the flags with the paper's defaults (§4.3), the stages and the presets. They are resolved
 # once, in the block after the flags.
 
-STAGES = {  # paper §4.3
-    1: dict(max_response=8192, max_turns=10, steps=300),
-    2: dict(max_response=12288, max_turns=10, steps=85, warmup_steps=0),   # continues stage 1
-    3: dict(max_response=12288, max_turns=15, steps=125, data="data/rl_hard.jsonl", reset_optimizer=1),
+STAGES = {  # paper §4.3; each stage's budget and turns: rollout.STAGE_ROLLOUTS
+    1: dict(**STAGE_ROLLOUTS[1], steps=300),
+    2: dict(**STAGE_ROLLOUTS[2], steps=85, warmup_steps=0),   # continues stage 1
+    3: dict(**STAGE_ROLLOUTS[3], steps=125, data="data/rl_hard.jsonl", reset_optimizer=1),
 }
 PRESETS = {  # the toy world on a CPU: the SFT'd toy model, minutes not days
     "toy": dict(model="runs/toy_sft", data="data/toy/train.jsonl", out_dir="runs/toy_rl", steps=20,
@@ -90,6 +91,8 @@ recipe = parser.add_argument_group("the paper's recipe: GRPO-RoC")
 recipe.add_argument("--problems-per-step", type=int, default=512, help="problems per RL step, over all ranks")
 recipe.add_argument("--rollouts-per-problem", type=int, default=32, help="2G: rollouts sampled per problem")
 recipe.add_argument("--group-size", type=int, default=16, help="G: rollouts kept per problem (down-sampling)")
+recipe.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant after warm-up)")
+recipe.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
 recipe.add_argument("--downsample", choices=sorted(DOWNSAMPLERS), default="roc",
                     help="2G -> G: roc (Resample-on-Correct) or uniform (the plain-GRPO ablation)")
 recipe.add_argument("--downsample-setting", action="append", default=[], metavar="NAME=VALUE",
@@ -102,8 +105,21 @@ recipe.add_argument("--max-draws", type=int, default=4,
                     help="with --dynamic-sampling: a step draws at most this many times --problems-per-step")
 recipe.add_argument("--eps-low", type=float, default=EPS_LOW, help="PPO clip below")
 recipe.add_argument("--eps-high", type=float, default=EPS_HIGH, help="PPO clip above (Clip-Higher)")
-recipe.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant after warm-up)")
-recipe.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
+
+rollouts = add_rollout_flags(parser, top_p=False)  # (stage 1's budget and turns, training's temperature)
+rollouts.add_argument("--max-prompt", type=int, default=2048,
+                      help="longest prompt in tokens (sizes the engine's context; longer ones are dropped)")
+rollouts.add_argument("--tool-timeout", type=float, default=5.0, help="seconds per tool call")
+
+optimization = parser.add_argument_group("optimization")
+optimization.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+optimization.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm")
+optimization.add_argument("--mini-batches", type=int, default=1,
+                          help="optimizer steps per RL step (K > 1: the PPO clip acts from the second)")
+optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
+                          help="tokens per forward pass, rows packed without padding (the memory plan "
+                               "assumes it)")
+add_lora_flags(optimization)  # --lora-rank and its alpha, dropout, targets and learning-rate scale (lora.py)
 
 guards = parser.add_argument_group("guards beyond the paper (off by default; see grpo_roc.py)")
 guards.add_argument("--mismatch-correction", choices=MISMATCH_MODES, default="none",
@@ -117,28 +133,13 @@ guards.add_argument("--kl-coef", type=float, default=0.0,
 guards.add_argument("--filter-void-turns", action="store_true",
                     help="leave out trajectories with a turn that has neither a tool call nor an answer")
 
-rollouts = add_rollout_flags(parser, top_p=False, max_turns=10, max_response=8192)
-rollouts.add_argument("--max-prompt", type=int, default=2048,
-                      help="longest prompt in tokens (sizes the engine's context; longer ones are dropped)")
-rollouts.add_argument("--driver", choices=["scheduler", "lockstep"], default="scheduler",
-                      help="rollout driver (lockstep: the simple baseline)")
-rollouts.add_argument("--kv-overcommit", type=float, default=1.0,
-                      help="the scheduler admits rollouts while what they hold fits this times the KV cache")
-rollouts.add_argument("--tool-timeout", type=float, default=5.0, help="seconds per tool call")
-
-optimization = parser.add_argument_group("optimization")
-optimization.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-optimization.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm")
-optimization.add_argument("--mini-batches", type=int, default=1,
-                          help="optimizer steps per RL step (K > 1: the PPO clip acts from the second)")
-optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
-                          help="tokens per forward pass, rows packed without padding (the memory plan "
-                               "assumes it)")
-add_lora_flags(optimization)  # --lora-rank and its alpha, dropout, targets and learning-rate scale (lora.py)
-
 infra = parser.add_argument_group("infrastructure")
 add_engine_flags(infra, memory_fraction="auto")  # --memory-fraction (auto: the plan's), --kv-cache-tokens
 memory_plan.add_plan_flags(infra)  # --offload-trainer, --plan, --gpu-memory, --plan-gpus
+infra.add_argument("--driver", choices=["scheduler", "lockstep"], default="scheduler",
+                   help="rollout driver (lockstep: the simple baseline)")
+infra.add_argument("--kv-overcommit", type=float, default=1.0,
+                   help="the scheduler admits rollouts while what they hold fits this times the KV cache")
 infra.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,
                    help="how long a rank may wait for the others (their rollouts) before the job fails")
 infra.add_argument("--save-every", type=int, default=10,
@@ -255,6 +256,7 @@ with trainer_offloaded(model, optimizer, device, offload, frozen):  # vLLM wants
                       external_launcher=world_size > 1, weights=False, rank=rank)  # a seed of its own
     sleep(llm)  # the sync below wakes its weights, and the first rollout its KV cache
 kv_budget = int(kv_capacity_tokens(llm.llm_engine) * args.kv_overcommit)
+rollout_settings = rollout_config(args, kv_budget=kv_budget, eos_ids=eos_ids)  # each draw: its own seed
 sandbox = Sandbox(timeout=args.tool_timeout)
 roll_out = rollout_scheduled if args.driver == "scheduler" else rollout_lockstep
 sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -295,7 +297,7 @@ for step in range(start_step, args.steps):
             batch = stream.take(position, args.problems_per_step)
             position += args.problems_per_step
             draw = drawn // args.problems_per_step  # the first draw samples as a run without the flag
-            cfg = rollout_config(args, seed=step_seed + 100_003 * draw, kv_budget=kv_budget, eos_ids=eos_ids)
+            cfg = dataclasses.replace(rollout_settings, seed=step_seed + 100_003 * draw)
             problem_queue = ProblemQueue(key=f"{args.out_dir}/{step}/{draw}", distributed=world_size > 1,
                                          group=cpu_group())
             new, stats = roll_out(llm.llm_engine, tokenizer, sandbox, batch, args.rollouts_per_problem, cfg,
