@@ -353,14 +353,14 @@ for step in range(start_step, args.steps):
                                            entropy=True)                                   # (B, T-1) each
             old_logp = logp.detach() if micro.old_logp is None else micro.old_logp  # the first: ratio 1
             # The sampler drew these tokens, not the trainer: an optional correction (grpo_roc.py (11)).
-            weights, loss_mask, stats = mismatch_correction(old_logp, micro.sampler_logp, micro.loss_mask,
+            weights, loss_mask, mismatch = mismatch_correction(old_logp, micro.sampler_logp, micro.loss_mask,
                                                             part.n_loss_tokens, args.mismatch_correction,
                                                             args.mismatch_threshold)
             loss, metrics = policy_loss(logp, old_logp, micro.advantages, loss_mask, part.n_loss_tokens,
                                         args.eps_low, args.eps_high, weights, micro.reference_logprobs(),
                                         args.kl_coef, entropy, part.n_rollouts)
             micro.backward(loss)
-            part.record(logp, micro, dict(metrics, **stats, loss=loss.item()))
+            part.record(logp, micro, dict(metrics, **mismatch, loss=loss.item()))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if kept:  # a step where every group was dropped changes nothing
             optimizer.step()
