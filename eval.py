@@ -5,20 +5,20 @@
     torchrun --nproc_per_node=8 eval.py --model runs/stage3 --benchmarks aime24 aime25 --samples 16
     python eval.py --model runs/stage2 --filter-solved 8 --data data/rl.jsonl --out data/rl_hard.jsonl
 
-1. Same prompt, rollout code (scheduler.py) and reward as training; defaults are the paper's:
-   temperature 0.6, 16 samples per problem, up to 30K tokens, T = 30 turns.
-2. One table per run: avg pass@1 (the share of correct samples: `correct`, never the reward, which
-   a fork may shape), unbiased pass@k (pass_at_k) for k = 2, 4, ... up to n, mean response length in
-   tokens (sampled and tool tokens), mean tool calls, tool-error ratio (failed calls / calls), share
-   truncated, tool-use rate (share of samples with at least one tool call): rollout.trajectory_metrics.
-   A sample the sandbox failed (a worker died, a check did not finish) is not scored: it is counted
-   in its own column and left out of every rate; pass@k then uses the problem's scored samples.
-3. Under torchrun every rank runs its own engine and pulls problems from a shared counter; the
-   trajectories' numbers and text are gathered; rank 0 prints the table, writes table.json + samples.jsonl.
-4. --filter-solved K: the stage-3 difficulty filter. Sample K rollouts per training problem and
-   keep the problems not solved K/K (original fields kept); --min-solved M also drops those solved
-   fewer than M times, a pass-rate band for a stage's data. Sampling then defaults to the stage-2
-   training settings (temperature 1.0, 12K tokens, T = 10); explicit flags still win.
+- The settings: same prompt, rollout code (scheduler.py) and reward as training; defaults are the
+  paper's: temperature 0.6, 16 samples per problem, up to 30K tokens, T = 30 turns.
+- The table, one per run: avg pass@1 (the share of correct samples: `correct`, never the reward, which
+  a fork may shape), unbiased pass@k (pass_at_k) for k = 2, 4, ... up to n, mean response length in
+  tokens (sampled and tool tokens), mean tool calls, tool-error ratio (failed calls / calls), share
+  truncated, tool-use rate (share of samples with at least one tool call): rollout.trajectory_metrics.
+  A sample the sandbox failed (a worker died, a check did not finish) is not scored: it is counted
+  in its own column and left out of every rate; pass@k then uses the problem's scored samples.
+- Under torchrun every rank runs its own engine and pulls problems from a shared counter; the
+  trajectories' numbers and text are gathered; rank 0 prints the table, writes table.json + samples.jsonl.
+- --filter-solved K: the stage-3 difficulty filter. Sample K rollouts per training problem and
+  keep the problems not solved K/K (original fields kept); --min-solved M also drops those solved
+  fewer than M times, a pass-rate band for a stage's data. Sampling then defaults to the stage-2
+  training settings (temperature 1.0, 12K tokens, T = 10); explicit flags still win.
 """
 import argparse
 import itertools
@@ -30,16 +30,16 @@ from collections import defaultdict
 
 from conversation import prompt_ids
 from engine import add_engine_flags, make_engine, model_eos_ids
-from rollout import (EVALUATION, STAGE_ROLLOUTS, TRAINING_TEMPERATURE, RolloutConfig, add_rollout_flags,
-                     drop_long_prompts, read_problems, rollout_config, trajectory_metrics)
+from rollout import (EVALUATION, STAGE_ROLLOUTS, RolloutConfig, add_rollout_flags, drop_long_prompts,
+                     read_problems, rollout_config, trajectory_metrics)
 from batch import ProblemQueue
 from scheduler import rollout_scheduled
 from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
 
 # -----------------------------------------------------------------------------
-# Arguments. Defaults are the paper's evaluation settings (1); --filter-solved uses training's (4).
+# Arguments. Defaults are the paper's evaluation settings; --filter-solved uses training's.
 
-FILTER_DEFAULTS = dict(temperature=TRAINING_TEMPERATURE, **STAGE_ROLLOUTS[2])
+FILTER_DEFAULTS = dict(temperature=RolloutConfig.temperature, **STAGE_ROLLOUTS[2])
 
 
 def get_args(argv=None):
@@ -52,7 +52,7 @@ def get_args(argv=None):
                         help="where named benchmarks are cached (data/prepare_eval.py)")
     parser.add_argument("--n", "--samples", type=int, default=16, dest="n",
                         help="samples per problem (--samples under torchrun, which takes --n for itself)")
-    rollouts = add_rollout_flags(parser, **EVALUATION)  # (1)
+    rollouts = add_rollout_flags(parser, **EVALUATION)  # the paper's settings
     rollouts.add_argument("--max-prompt", type=int, default=4096,
                           help="problems whose prompt has more tokens are dropped (and counted)")
     parser.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,
@@ -74,7 +74,7 @@ def get_args(argv=None):
                         help="with --filter-solved K: keep only the problems solved M to K-1 times in K")
     parser.add_argument("--data", default=None, help="with --filter-solved: the training JSONL to filter")
     parser.add_argument("--out", default=None, help="with --filter-solved: where the unsolved problems go")
-    if parser.parse_known_args(argv)[0].filter_solved:  # (4) training's sampling; explicit flags win
+    if parser.parse_known_args(argv)[0].filter_solved:  # training's sampling; explicit flags win
         parser.set_defaults(**FILTER_DEFAULTS)
     args = parser.parse_args(argv)
     if args.min_solved and not 0 < args.min_solved < args.filter_solved:
@@ -89,7 +89,7 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Metrics (2): pure functions of graded samples, tested without a model.
+# The table's metrics: pure functions of graded samples, tested without a model.
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), computed as
@@ -143,7 +143,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def select_unsolved(problems: list[dict], trajs: list, k: int, min_solved: int = 0) -> list[dict]:
-    """(4) The problems solved (`correct`) at least min_solved times but not k/k, in order; a sample the
+    """(--filter-solved) The problems solved (`correct`) at least min_solved times but not k/k, in order; a sample the
     sandbox failed counts as unsolved. Every problem must have k samples."""
     tried, solved = defaultdict(int), defaultdict(int)
     for t in trajs:
@@ -207,7 +207,7 @@ def main(argv=None, llm=None):
     filtering = args.filter_solved > 0
     n = args.filter_solved if filtering else args.n
 
-    # -- compute: torchrun -> one engine per rank in the ranks' process group; else no group (3)
+    # -- compute: torchrun -> one engine per rank in the ranks' process group; else no group
     distributed, rank = "RANK" in os.environ, 0
     if distributed:
         import torch.distributed as dist
@@ -263,7 +263,7 @@ def main(argv=None, llm=None):
         rows, samples, trajs = evaluate(llm, tokenizer, sandbox, benchmarks, cfg, n, distributed)
     seconds = time.perf_counter() - t0
 
-    # -- table (2)
+    # -- table
     if master:
         print(f"\n{args.model}: temperature {args.temperature}, {n} samples, up to {args.max_response} tokens, "
               f"T = {args.max_turns} ({seconds:.0f} s)")

@@ -6,27 +6,24 @@ What this file does (paper §2.2.3, Eq. 4-7) and where it departs from the paper
 1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5 without a call (to
    encourage tool use), counted from the sandbox's status, not the output's text. p_format = 1 without
    an <answer>, else min(1, (#answers - 1) / #turns), counting every assistant turn.
-2. Groups whose rewards are all equal are dropped: zero advantages, no gradient. No refill. The
-   reward decides here (and in train.py's dynamic sampling): a group is worth training when its
-   advantages are not all zero. Correctness decides (3) and (4): the paper's positives are the correct
-   rollouts, so a correct rollout that a shaped reward (rollout.reward) scores <= 0 is still one.
-3. Negatives (the incorrect rollouts): floor(|neg| / 2) kept uniformly at random, but at least one when
-   there is one: the paper's floor keeps none of a single negative, and the group would then be all
-   correct and wasted.
+2. Groups whose rewards are all equal are dropped: zero advantages, no gradient. No refill. The reward
+   decides here, as in train.py's dynamic sampling; correctness decides (3) and (4), so a correct
+   rollout that a shaped reward (rollout.reward) scores <= 0 is still a positive, as in the paper.
+3. Negatives (the incorrect rollouts): floor(|neg| / 2) kept uniformly at random, at least one if any:
+   the paper's floor keeps none of a single negative, and the group would then be all correct.
 4. Positives (the correct rollouts) fill the rest of G, drawn without replacement with probability
    proportional to 1 / (p_total + 1e-3) (POSITIVE_WEIGHTS). Short of positives, negatives fill G; a group
    of at most G is kept whole (`short_group` if < G).
 5. `downsample_uniform`, the paper's "GRPO with tool" ablation at equal compute: (2), then G of 2G uniformly.
 6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
-7. Loss: PPO clip with Clip-Higher (EPS_LOW 0.2, EPS_HIGH 0.28), token-level as in DAPO: the summed
-   token losses over the optimizer step's loss tokens on every rank (policy_loss chooses this
-   denominator), so any split into micro-batches and ranks gives one big batch's gradient. No entropy
-   bonus (the entropy is measured), no dual clip, no KL unless (12) adds it. With one optimizer step
-   per RL step (--mini-batches 1, the default, as in the paper) the ratio is 1 and the clip never
-   acts; it acts only with --mini-batches > 1. The old log-probs are the trainer's own, so the
+7. Loss: PPO clip with Clip-Higher (EPS_LOW 0.2, EPS_HIGH 0.28), token-level as in DAPO: the token
+   losses summed over the optimizer step's loss tokens on every rank (the denominator is policy_loss's),
+   so any split into micro-batches and ranks gives one big batch's gradient. No entropy bonus, no dual
+   clip, no KL unless (12) adds it. With one optimizer step per RL step (--mini-batches 1, as in the
+   paper) the ratio is 1 and the clip never acts. The old log-probs are the trainer's own, so the
    sampler's mismatch never enters the ratio; (11) weighs tokens for it.
-8. Loss metrics are normalised by `n_loss_tokens`, so they add up to step-level means: the clipped
-   shares, the ratio, the KL terms and the policy's entropy.
+8. Loss metrics are normalised by `n_loss_tokens`, so they add up to step-level means (the policy's
+   entropy among them).
 9. Sandbox failures (always on): such a rollout has no outcome and leaves before its reward is read;
    its group leaves too when fewer than G would remain, since it would be judged on less evidence.
 10. Void turns (SimpleTIR, arXiv 2509.02479; off by default): a rollout with a turn that ended with
@@ -172,12 +169,11 @@ def group_advantages(rewards) -> torch.Tensor:
 
 def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=EPS_LOW, eps_high=EPS_HIGH,
                 token_weights=None, ref_logp=None, kl_coef=0.0, entropy=None, n_rollouts=None):
-    """(7) PPO-clip with Clip-Higher, the masked sum over tokens divided by n_loss_tokens: the optimizer
-    step's loss tokens on every rank (n_rollouts, its rollouts on every rank, is there for a loss that
-    averages over sequences). Only logp (B, T) carries the gradient; a rollout's advantage (B,) applies
-    to all its tokens; token_weights (B, T) are (11)'s, ref_logp (B, T) adds (12); entropy
-    (B, T), the policy's at each position, is measured. Each metric is a masked sum / n_loss_tokens (8):
-    the clipped shares, ratio_mean, approx_kl (k3 to old_logp), kl_ref (k3 to ref) and entropy."""
+    """(7) PPO-clip with Clip-Higher over n_loss_tokens, the optimizer step's on every rank (n_rollouts:
+    its rollouts, for a loss averaged over sequences). Only logp (B, T) carries the gradient; advantages
+    (B,) apply to all a row's tokens; token_weights (B, T) are (11)'s, ref_logp (B, T) adds (12); entropy
+    (B, T) is measured. Each metric is a masked sum / n_loss_tokens (8): the clipped shares, ratio_mean,
+    approx_kl (k3 to old_logp), kl_ref (k3 to ref) and entropy."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
     # Padding could make inf * 0 = nan, so the log-ratio is zero off the mask.

@@ -74,9 +74,9 @@ class Trajectory:
 
 # The paper's rollout settings (§4.3), defined here once: each RL stage's budget and turns (train.py
 # --stage; eval.py's stage-3 filter samples as stage 2 does), and evaluation's (eval.py, chat.py).
+# RolloutConfig's defaults are stage 1's, at training's temperature.
 STAGE_ROLLOUTS = {1: dict(max_response=8192, max_turns=10), 2: dict(max_response=12288, max_turns=10),
                   3: dict(max_response=12288, max_turns=15)}
-TRAINING_TEMPERATURE = 1.0
 EVALUATION = dict(temperature=0.6, max_response=30000, max_turns=30)
 
 
@@ -84,7 +84,7 @@ EVALUATION = dict(temperature=0.6, max_response=30000, max_turns=30)
 class RolloutConfig:
     max_turns: int = STAGE_ROLLOUTS[1]["max_turns"]        # T: the assistant turns of a trajectory
     max_response: int = STAGE_ROLLOUTS[1]["max_response"]  # one budget for sampled and tool tokens together
-    temperature: float = TRAINING_TEMPERATURE
+    temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0                  # with `deterministic`: every turn of every rollout derives its own
     deterministic: bool = False    # per-turn seeds: the same samples whatever the batch, sampled slower
@@ -95,9 +95,8 @@ class RolloutConfig:
 
 
 def add_rollout_flags(parser, top_p: bool = True, **defaults):
-    """The rollout settings, one definition for every script (train.py, eval.py, chat.py), each
-    with its own defaults (the paper evaluates at temperature 0.6 and T = 30, trains at 1.0 and
-    T = 10). Returns the argument group, for a script's own rollout flags. top_p=False: no --top-p
+    """The rollout flags of every script (train.py, eval.py, chat.py), each with its defaults (EVALUATION,
+    or a stage's). Returns the argument group, for a script's own rollout flags. top_p=False: no --top-p
     (train.py: see its --temperature help)."""
     group = parser.add_argument_group("rollouts")
     group.add_argument("--max-turns", type=int, default=RolloutConfig.max_turns,
@@ -294,15 +293,3 @@ def trajectory_metrics(trajs: list[Trajectory]) -> dict:
         "tool_error_ratio_pos": sum(min(1.0, t.num_tool_failures / t.tool_calls) for t in correct_tool_users)
         / max(len(correct_tool_users), 1),
     }
-
-
-def collapse_alarms(history: list[dict], row: dict, keys=("tool_calls", "turns")) -> list[str]:
-    """The metrics of this step's `row` that fell below half their running mean over the earlier
-    steps' rows (`history`): tool use collapsing, seen at the step it starts, not in the final eval."""
-    alarms = []
-    for key in keys:
-        past = [h[key] for h in history]
-        mean = sum(past) / max(len(past), 1)
-        if past and row[key] < 0.5 * mean:
-            alarms.append(f"{key} {row[key]:.2f} fell below half its running mean {mean:.2f}")
-    return alarms
