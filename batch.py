@@ -1,17 +1,17 @@
 """One RL step's batch across ranks: the problems it takes, and the trajectories it gives back.
 
-1. ProblemStream: the endless stream of training problems, a seeded shuffle per epoch, so that a
-   position in it (saved with checkpoints) names the same problems on every rank and every run.
-2. ProblemQueue: a step's problems across ranks, pulled one at a time from a counter every rank
-   shares (the scheduler's balance: a rank slowed by long rollouts simply takes fewer), or as fixed
-   shares (lockstep); then the trajectories back: `gather` gives every rank every trajectory's
-   numbers (what down-sampling and logging read: a few hundred bytes each), its own rollouts whole;
-   `exchange` sends each rank the tokens of the trajectories it trains, and nothing else. At the
-   paper's scale (16,384 trajectories of up to 8K tokens, 8 ranks) every rank holding everything
-   would be ~11 GB of Python objects per rank: bench/gather_memory.py measures the difference.
+- ProblemStream: the endless stream of training problems, a seeded shuffle per epoch, so that a
+  position in it (saved with checkpoints) names the same problems on every rank and every run.
+- ProblemQueue: a step's problems across ranks, pulled one at a time from a counter every rank
+  shares (the scheduler's balance: a rank slowed by long rollouts simply takes fewer), or as fixed
+  shares (lockstep); then the trajectories back: `gather` gives every rank every trajectory's
+  numbers (what down-sampling and logging read: a few hundred bytes each), its own rollouts whole;
+  `exchange` sends each rank the tokens of the trajectories it trains, and nothing else. At the
+  paper's scale (16,384 trajectories of up to 8K tokens, 8 ranks) every rank holding everything
+  would be ~11 GB of Python objects per rank: bench/gather_memory.py measures the difference.
 With one rank no collective runs and the objects come back as they are.
-3. mixed_groups: the problems of a batch whose rollouts are some right and some wrong, the only ones
-   GRPO learns from; train.py --dynamic-sampling draws problems until a step has enough of them.
+- mixed_groups: the problems of a batch whose rollouts are some right and some wrong, the only ones
+  GRPO learns from; train.py --dynamic-sampling draws problems until a step has enough of them.
 """
 import dataclasses
 import functools

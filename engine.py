@@ -2,18 +2,18 @@
 
 Every vLLM-specific detail the project relies on lives here, one named function each, written
 against vllm 0.32 (what each does and why is in its docstring):
-1. make_engine: bf16 with sleep mode on GPUs; fp32, eager, a KV cache sized in tokens on CPUs; in
-   process (its tensors are handed over as tensors); vLLM's V1 model runner on GPUs as on CPUs (the
-   runner every test runs); a seed of its own per rank (engine_seed); with random weights (vLLM's
-   dummy load format) when the trainer syncs its own before the first rollout, so no rank reads the
-   checkpoint twice.
-2. sync_weights: the trainer's weights (full_weights: each FSDP2 shard cast to the engine's dtype, then
-   gathered, one parameter at a time) loaded in place (`reload_weights`), the prefix cache reset.
-3. sleep / wake_for_rollout: the engine's GPU memory given to training (level 2: the weights dropped,
-   as the next sync overwrites every one of them) and taken back. The mirror image, the trainer's
-   state in host memory while the engine rolls out, is the trainer's: offload.py.
-4. kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
-5. model_eos_ids, turn_tokens: where vLLM ends a turn on its own, and a finished turn's ids and log-probs.
+- make_engine: bf16 with sleep mode on GPUs; fp32, eager, a KV cache sized in tokens on CPUs; in
+  process (its tensors are handed over as tensors); vLLM's V1 model runner on GPUs as on CPUs (the
+  runner every test runs); a seed of its own per rank (engine_seed); with random weights (vLLM's
+  dummy load format) when the trainer syncs its own before the first rollout, so no rank reads the
+  checkpoint twice.
+- sync_weights: the trainer's weights (full_weights: each FSDP2 shard cast to the engine's dtype, then
+  gathered, one parameter at a time) loaded in place (`reload_weights`), the prefix cache reset.
+- sleep / wake_for_rollout: the engine's GPU memory given to training (level 2: the weights dropped,
+  as the next sync overwrites every one of them) and taken back. The mirror image, the trainer's
+  state in host memory while the engine rolls out, is the trainer's: offload.py.
+- kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
+- model_eos_ids, turn_tokens: where vLLM ends a turn on its own, and a finished turn's ids and log-probs.
 On a GPU a step cycles: rollout (awake) -> sleep (weights and KV cache dropped) -> training ->
 sync_weights (the weights woken and written, nothing else) -> wake_for_rollout (the KV cache).
 """

@@ -1,26 +1,26 @@
 """Token log-probs, the numbers both losses use: log p(token t+1 | tokens <= t) at every position.
 
-1. token_logprobs: the model runs without its head; the head, the temperature and the log-softmax
-   run over chunks of positions of the final hidden states, so no tensor of tokens x vocabulary ever
-   exists, only chunk x vocabulary. Each chunk is recomputed in the backward (recompute=True, GPUs),
-   or its logits are kept for it (recompute=False: faster where memory is plenty, as on a CPU with a
-   small vocabulary).
-2. SharedPrefix: the tokens that every sequence of a step starts with (the system prompt and the
-   user turn's preamble: ~410 of SmolLM2's ~430-token prompts) run once for the step instead of
-   once per sequence. Their keys and values, and their last hidden state, are kept as leaves that
-   every micro-batch reads; the gradients the micro-batches leave on them go back through the
-   prefix's own forward once, after the last micro-batch. The log-probs and the gradient are those
-   of running every sequence whole (tests/test_training.py checks both). It needs the model's KV
-   cache, which transformers drops under gradient checkpointing: it is for models trained without
-   activation checkpointing (train.py: on CPUs; on GPUs a prompt is small next to 8K-token responses).
-3. Packing (token_logprobs(packed=True)): a micro-batch's rows run as one row without padding, each
-   sequence its own positions and causal block, with or without a shared prefix; the log-probs come
-   back in the padded layout, so the losses read them as before (training.plan_micro_batches then
-   counts a micro-batch's tokens, not rows x its longest row).
-   Each path can also return each position's entropy (entropy=True): train.py logs its mean, the
-   sign of an entropy collapse. It is measured, not trained: no gradient, and its (chunk x vocabulary)
-   temporaries live within the chunk's forward, under the backward's peak the memory plan counts.
-4. trajectory_tensors: the ids, masks and sampler log-probs of trajectories as the losses read them.
+- token_logprobs: the model runs without its head; the head, the temperature and the log-softmax
+  run over chunks of positions of the final hidden states, so no tensor of tokens x vocabulary ever
+  exists, only chunk x vocabulary. Each chunk is recomputed in the backward (recompute=True, GPUs),
+  or its logits are kept for it (recompute=False: faster where memory is plenty, as on a CPU with a
+  small vocabulary).
+- SharedPrefix: the tokens that every sequence of a step starts with (the system prompt and the
+  user turn's preamble: ~410 of SmolLM2's ~430-token prompts) run once for the step instead of
+  once per sequence. Their keys and values, and their last hidden state, are kept as leaves that
+  every micro-batch reads; the gradients the micro-batches leave on them go back through the
+  prefix's own forward once, after the last micro-batch. The log-probs and the gradient are those
+  of running every sequence whole (tests/test_training.py checks both). It needs the model's KV
+  cache, which transformers drops under gradient checkpointing: it is for models trained without
+  activation checkpointing (train.py: on CPUs; on GPUs a prompt is small next to 8K-token responses).
+- Packing (token_logprobs(packed=True)): a micro-batch's rows run as one row without padding, each
+  sequence its own positions and causal block, with or without a shared prefix; the log-probs come
+  back in the padded layout, so the losses read them as before (training.plan_micro_batches then
+  counts a micro-batch's tokens, not rows x its longest row).
+  Each path can also return each position's entropy (entropy=True): train.py logs its mean, the
+  sign of an entropy collapse. It is measured, not trained: no gradient, and its (chunk x vocabulary)
+  temporaries live within the chunk's forward, under the backward's peak the memory plan counts.
+- trajectory_tensors: the ids, masks and sampler log-probs of trajectories as the losses read them.
 """
 import warnings
 
@@ -38,10 +38,10 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
                    chunk_tokens: int = LOGPROB_CHUNK_TOKENS, prefix=None, recompute: bool = True,
                    packed: bool = False, entropy: bool = False):
-    """(1) log softmax(logits / temperature)[input_ids[:, t + 1]] at every position t: (B, T-1), fp32.
+    """log softmax(logits / temperature)[input_ids[:, t + 1]] at every position t: (B, T-1), fp32.
     `prefix` (a SharedPrefix): every row starts with its tokens; only the rest of each row runs, and
     positions before prefix.length - 1 (prefix tokens scoring prefix tokens: no loss counts them)
-    hold 0. `packed` (3): the right-padded rows run as one row without their padding; the log-probs
+    hold 0. `packed` (packing): the right-padded rows run as one row without their padding; the log-probs
     come back in the padded layout, 0 on padding. `entropy`: (log-probs, entropies), the second the
     entropy of softmax(logits / temperature) at each position, (B, T-1) without a gradient, 0 where
     the log-probs are."""
@@ -86,7 +86,7 @@ def _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute,
 
 def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, prefix, recompute,
                      entropy=False):
-    """(3) The right-padded rows as one row of their tokens back to back. Each sequence keeps its own
+    """(packing) The right-padded rows as one row of their tokens back to back. Each sequence keeps its own
     positions and its own causal block (itself and the shared prefix, never the sequence before it),
     so the log-probs and the gradients are the padded rows' (tests/test_training.py), while no padding
     runs through the layers or the head: a micro-batch costs its tokens, not rows x its longest row."""
@@ -123,10 +123,10 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens
 
 
 def _packed_attention(module, query, key, value, attention_mask, packed_lengths=None, **kwargs):
-    """(3) Attention over a packed row, one sequence at a time: each attends to the shared prefix's keys
-    (those before the row's) and causally to itself, so it costs the sum of each sequence's square,
-    not the row's (flash-attention's varlen does the same in one kernel; sdpa, on CPUs too, gets a
-    sequence at a time). Rows that are not packed: transformers' sdpa.
+    """(packing) Attention over a packed row, one sequence at a time: each attends to the shared
+    prefix's keys (those before the row's) and causally to itself, so it costs the sum of each
+    sequence's square, not the row's (flash-attention's varlen does the same in one kernel; sdpa, on
+    CPUs too, gets a sequence at a time). Rows that are not packed: transformers' sdpa.
     query (1, heads, L, d); key, value (1, kv heads, P + L, d) -> (1, L, heads, d)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     if packed_lengths is None:
@@ -167,8 +167,8 @@ def _chunk_logprobs(hidden, targets, weight, bias, temperature, entropy=False):
 
 
 def shared_prefix_length(rows) -> int:
-    """(2) How many tokens every row starts with; at most the shortest row less one, so that every
-    row keeps a token after the prefix."""
+    """How many tokens every row starts with, for a SharedPrefix; at most the shortest row less one,
+    so that every row keeps a token after the prefix."""
     shared = min(len(row) for row in rows) - 1
     first = rows[0]
     for row in rows[1:]:
@@ -180,7 +180,7 @@ def shared_prefix_length(rows) -> int:
 
 
 class SharedPrefix:
-    """(2) A prefix every sequence of a step starts with, run once. Make it before the step's first
+    """A prefix every sequence of a step starts with, run once. Make it before the step's first
     micro-batch (under no_grad for old log-probs: then there is nothing to send back), pass it to
     token_logprobs, and call backward() after the last micro-batch's backward, before the optimizer
     step: every rank, its micro-batches empty or not (FSDP's collectives need them all)."""

@@ -5,21 +5,21 @@ and "full" (also numpy, sympy, math-verify, warmed up). A call runs in a fresh c
 its code names a module only "full" has, else from "light" (less memory: faster forks).
 
 Guaranteed (each has an adversarial test in tests/test_sandbox.py):
-  1. Nothing the code does raises in the caller; its ExecResult's status says ok, error, timeout or oom.
-  2. At `timeout` seconds (wall clock) every process of the call is killed, setsid grandchildren included.
-  3. Address space is capped at `memory_mb` above the worker's own; MemoryError -> "oom".
-  4. stdout keeps its first `max_output` characters, stderr its last (`truncated` if cut); no file > 16 MB.
-  5. Each call is a new process in a new empty directory (removed after it) with new random seeds:
-     nothing set in one call (files, SysV IPC objects, globals) is visible in the next.
-  6. The caller's environment variables (tokens, keys) are not visible.
-  7. A call whose worker died, hung (silent past timeout + GRACE s), could not start or was closed returns
-     SANDBOX_FAILURE; the worker is replaced. Start-up waits while workers use CPU, else raises.
+  - Nothing the code does raises in the caller; its ExecResult's status says ok, error, timeout or oom.
+  - At `timeout` seconds (wall clock) every process of the call is killed, setsid grandchildren included.
+  - Address space is capped at `memory_mb` above the worker's own; MemoryError -> "oom".
+  - stdout keeps its first `max_output` characters, stderr its last (`truncated` if cut); no file > 16 MB.
+  - Each call is a new process in a new empty directory (removed after it) with new random seeds:
+    nothing set in one call (files, SysV IPC objects, globals) is visible in the next.
+  - The caller's environment variables (tokens, keys) are not visible.
+  - A call whose worker died, hung (silent past timeout + GRACE s), could not start or was closed returns
+    SANDBOX_FAILURE; the worker is replaced. Start-up waits while workers use CPU, else raises.
 As root, where the kernel allows namespaces (`Sandbox.isolation` says what held), also:
-  8. Calls run as an unprivileged uid (one per slot; never 0 nor the caller's), no_new_privs, at most 64
-     processes: fork bombs stop, and a call cannot signal its worker, the trainer or the tests.
-  9. No network: no interface is up in the workers' network namespace.
- 10. All mounts are read-only but a fresh tmpfs: a call writes only in its own directory, <= 10,000 files.
-Not guaranteed: 8-10 without root or namespaces (there a call that kills or stops its worker, or leaves
+  - Calls run as an unprivileged uid (one per slot; never 0 nor the caller's), no_new_privs, at most 64
+    processes: fork bombs stop, and a call cannot signal its worker, the trainer or the tests.
+  - No network: no interface is up in the workers' network namespace.
+  - All mounts are read-only but a fresh tmpfs: a call writes only in its own directory, <= 10,000 files.
+Not guaranteed: these without root or namespaces (there a call that kills or stops its worker, or leaves
 too many files to remove in GRACE, gets SANDBOX_FAILURE). A call can read world-readable files, list /proc,
 burn CPU to its timeout; its uid's keyrings and POSIX queues outlive it; it imports only its worker's modules.
 """
@@ -27,7 +27,7 @@ import ast, builtins, collections, contextlib, ctypes, itertools, linecache, mar
 import resource, select, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, types
 from concurrent.futures import ThreadPoolExecutor
 
-SANDBOX_FAILURE = "sandbox_failure"  # a call's status when the sandbox failed, not the code: see 7 above
+SANDBOX_FAILURE = "sandbox_failure"  # a call's status when the sandbox failed, not the code: see above
 OOM_EXIT = 101  # the child's exit code for MemoryError
 GRACE = 10.0  # seconds past a call's timeout for its worker to clean up and reply: then it is hung
 STALLED = 60.0  # a starting worker that uses no CPU for this long (seconds) is stuck: see _ask

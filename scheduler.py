@@ -9,23 +9,23 @@ trajectories wait for the longest one at every turn, tool calls wait to run as o
 batch bigger than the KV cache makes the engine preempt and recompute. `rollout_scheduled` fixes
 all three:
 
-1. KV-budget admission by what trajectories hold. Each admitted trajectory counts the KV-cache
-   tokens it holds (prompt + response so far, in whole cache blocks; while it waits on a tool its
-   prefix stays cached for the next turn) plus room for one more turn (the batch's mean growth per
-   turn so far; max_response / max_turns before a turn has ended). New trajectories are admitted
-   while the total fits the budget (the engine's cache unless RolloutConfig.kv_budget says
-   otherwise), and as trajectories finish the next are admitted. Reserving prompt + max_response
-   instead (the paper's estimate) never overflows the cache but leaves most of it idle when most
-   responses are short; here a trajectory that outgrows its turn of room can make vLLM preempt
-   and recompute a request, and admission waits until the total fits again. All turns of a
-   trajectory run on the engine that admitted it, so its earlier turns stay in the prefix cache.
-2. Asynchronous tool calls. When a turn ends with a tool call it goes to the sandbox at once; the
-   engine keeps stepping the other trajectories; when the result arrives its tool turn is
-   appended and the next turn is queued. With nothing to step the loop blocks on the results
-   queue: it never spins.
-3. Dynamic balance across ranks. Under torchrun each rank drives its own engine and pulls the next
-   problem from one shared counter (batch.ProblemQueue) whenever it has room, so a rank slowed by
-   long trajectories or slow tools simply takes fewer problems.
+- KV-budget admission by what trajectories hold. Each admitted trajectory counts the KV-cache
+  tokens it holds (prompt + response so far, in whole cache blocks; while it waits on a tool its
+  prefix stays cached for the next turn) plus room for one more turn (the batch's mean growth per
+  turn so far; max_response / max_turns before a turn has ended). New trajectories are admitted
+  while the total fits the budget (the engine's cache unless RolloutConfig.kv_budget says
+  otherwise), and as trajectories finish the next are admitted. Reserving prompt + max_response
+  instead (the paper's estimate) never overflows the cache but leaves most of it idle when most
+  responses are short; here a trajectory that outgrows its turn of room can make vLLM preempt
+  and recompute a request, and admission waits until the total fits again. All turns of a
+  trajectory run on the engine that admitted it, so its earlier turns stay in the prefix cache.
+- Asynchronous tool calls. When a turn ends with a tool call it goes to the sandbox at once; the
+  engine keeps stepping the other trajectories; when the result arrives its tool turn is
+  appended and the next turn is queued. With nothing to step the loop blocks on the results
+  queue: it never spins.
+- Dynamic balance across ranks. Under torchrun each rank drives its own engine and pulls the next
+  problem from one shared counter (batch.ProblemQueue) whenever it has room, so a rank slowed by
+  long trajectories or slow tools simply takes fewer problems.
 
 Same turn logic; with per-turn seeds (RolloutConfig.deterministic) the same inputs give the same
 trajectories, up to vLLM's numerics changing with batch composition (see tests).
@@ -95,11 +95,11 @@ def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, c
 
 
 # -----------------------------------------------------------------------------
-# The scheduler: (1) its admission bookkeeping, its timing statistics, then the loop that drives them
+# The scheduler: its KV-budget admission bookkeeping, its timing statistics, then the loop that drives them
 
 
 class KVAdmission:
-    """(1) The KV-cache tokens the admitted, unfinished trajectories hold, and whether one more fits.
+    """The KV-cache tokens the admitted, unfinished trajectories hold, and whether one more fits.
     Each counts its prompt + response so far in whole cache blocks, plus room for one more turn: the
     batch's mean growth per turn so far (a tool turn included), max_response / max_turns before any."""
 
@@ -180,11 +180,11 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
     kv_tokens = cfg.kv_budget or kv_capacity_tokens(engine)
     admission = KVAdmission(kv_tokens, kv_block_tokens(engine), cfg)
     timer = RolloutTimer(kv_tokens, len(problems) * n)
-    results = queue.SimpleQueue()        # (trajectory, future), put by the sandbox's threads (2)
+    results = queue.SimpleQueue()        # (trajectory, future), put by the sandbox's threads
     waiting, running = deque(), {}       # pulled, not yet admitted; request id -> trajectory on the engine
     trajs, in_tools, exhausted = [], 0, False
 
-    def next_turn(t):                    # queue t's next turn; if t has finished, free what it held (1)
+    def next_turn(t):                    # queue t's next turn; if t has finished, free what it held
         if t.finish_reason:
             admission.release(t)
             timer.finished()
@@ -193,14 +193,14 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
         engine.add_request(request_id(t), {"prompt_token_ids": t.prompt_ids + t.response_ids},
                            sampling_params(t, cfg, tokenizer))
 
-    def after_tool(t, result):           # (1) a turn's growth includes its tool turn
+    def after_tool(t, result):           # a turn's growth includes its tool turn
         before = len(t.response_ids)
         add_tool_turn(t, result, tokenizer, cfg)
         admission.grew(len(t.response_ids) - before)
         next_turn(t)
 
     while True:
-        # (1) admit while the total fits, (3) pulling the next problem when none waits
+        # KV-budget admission while the total fits; dynamic balance: pull the next problem when none waits
         held = admission.held()
         while waiting or not exhausted:
             if not waiting:
@@ -221,7 +221,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
         timer.peak = max(timer.peak, len(running) + in_tools)
 
         # step the engine: a finished turn ends its trajectory, shows a malformed call's error as the
-        # tool output, or goes to the sandbox (2); with nothing to step, wait for a tool result
+        # tool output, or goes to the sandbox; with nothing to step, wait for a tool result
         arrived = []                     # (trajectory, future) of the tool results to append now
         if engine.has_unfinished_requests():
             for out in timer.step(engine, running):
@@ -234,14 +234,14 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
                     next_turn(t)         # it has finished
                 elif call.error is not None:
                     after_tool(t, call.error)
-                else:                    # (2) to the sandbox now; the engine goes on
+                else:                    # to the sandbox now; the engine goes on
                     in_tools += 1
                     sandbox.submit(call.code, call.stdin).add_done_callback(lambda f, t=t: results.put((t, f)))
         elif in_tools:
-            arrived.append(timer.wait(results))  # (2) blocks: it never spins
+            arrived.append(timer.wait(results))  # blocks: it never spins
         elif not waiting and exhausted:
             break
-        while not results.empty():       # (2) and every other result that has arrived
+        while not results.empty():       # and every other result that has arrived
             arrived.append(results.get())
         for t, future in arrived:
             in_tools -= 1

@@ -4,16 +4,16 @@ tool call and instruction following, with the loss on assistant tokens only.
     python sft.py --preset toy                                   # toy world, CPU
     torchrun --nproc_per_node=8 sft.py --model Qwen/Qwen3-14B-Base --data data/sft.jsonl
 
-1. Defaults are the paper's: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128.
-2. Conversations are rendered by conversation.render_messages: loss_mask = assistant tokens.
-3. FSDP2 per decoder layer, rank 0 reading the weights (bf16 compute on GPU); `python sft.py` is a
-   group of one (training.py).
-4. A step's batch is dealt across ranks and packed into micro-batches (training.plan_micro_batches):
-   rows run back to back without padding (logprobs.token_logprobs(packed=True)).
-5. Loss = mean over the step's assistant tokens (global count): any split, same gradient.
-6. Without activation checkpointing, the tokens every conversation of a step starts with (the system
-   prompt) run once for the step, not once per conversation (logprobs.SharedPrefix).
-7. --lora-rank r trains LoRA adapters on a frozen base instead (lora.py); the export is the merged model.
+- Defaults are the paper's: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128.
+- Conversations are rendered by conversation.render_messages: loss_mask = assistant tokens.
+- FSDP2 per decoder layer, rank 0 reading the weights (bf16 compute on GPU); `python sft.py` is a
+  group of one (training.py).
+- A step's batch is dealt across ranks and packed into micro-batches (training.plan_micro_batches):
+  rows run back to back without padding (logprobs.token_logprobs(packed=True)).
+- Loss = mean over the step's assistant tokens (global count): any split, same gradient.
+- Without activation checkpointing, the tokens every conversation of a step starts with (the system
+  prompt) run once for the step, not once per conversation (logprobs.SharedPrefix).
+- --lora-rank r trains LoRA adapters on a frozen base instead (lora.py); the export is the merged model.
 """
 import argparse
 import ctypes
@@ -147,7 +147,7 @@ def tokenize_conversations(tokenizer, conversations, path, max_len):
 
 def assistant_nll_sum(model, samples, pad_id, device, prefix=None):
     """Sum of -log p(token) over the assistant tokens (loss mask 1) of (ids, loss_mask) samples, the
-    rows packed: no padding runs (4). Position t predicts token t+1, so the mask is read one to the
+    rows packed: no padding runs. Position t predicts token t+1, so the mask is read one to the
     right. `prefix`: a SharedPrefix every sample starts with (run once per step; then each chunk's
     logits are kept)."""
     input_ids = right_pad([ids for ids, _ in samples], pad_id).to(device)                 # (B, T)
@@ -228,11 +228,11 @@ def main(argv=None):
         order = torch.randperm(len(samples), generator=generator).tolist()
         batch = order[k * args.batch_size:(k + 1) * args.batch_size]
         # conversations start with the same template tokens (the system prompt, when they share one):
-        # without activation checkpointing those run once for the step (logprobs.SharedPrefix) (6)
+        # without activation checkpointing those run once for the step (logprobs.SharedPrefix)
         shared = shared_prefix_length([samples[i][0] for i in batch]) if not checkpointing else 0
         run = [lengths[i] - shared for i in batch]  # the tokens each conversation runs
-        plan = plan_micro_batches(run, args.micro_batch_tokens, world_size, packed=True)  # (4)
-        n_loss_tokens = max(1, sum(n_assistant[i] for i in batch))  # the global denominator (5)
+        plan = plan_micro_batches(run, args.micro_batch_tokens, world_size, packed=True)
+        n_loss_tokens = max(1, sum(n_assistant[i] for i in batch))  # the global denominator
         n_tokens = sum(lengths[i] for i in batch)
         n_run = shared + sum(run)  # what the layers run: the prefix once, then each conversation's rest
 
@@ -250,7 +250,7 @@ def main(argv=None):
             nll_sum = assistant_nll_sum(model, rows, pad_id, device, prefix)
             nll_sum_local += nll_sum.detach()
             # FSDP averages gradients over ranks; times world_size undoes that, so the
-            # gradient is exactly that of (sum of assistant-token losses) / n_loss_tokens (5).
+            # gradient is exactly that of (sum of assistant-token losses) / n_loss_tokens.
             (nll_sum / n_loss_tokens * world_size).backward()
         if prefix is not None:
             prefix.backward()  # (the micro-batches' gradient on the shared prefix, through it once)

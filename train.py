@@ -7,16 +7,16 @@
     python train.py --stage 1 --model Qwen3-14B --plan                  # the memory plan per GPU, then exit
 
 One RL step, as the step loop at the bottom of this file runs it (what comes before sets it up):
-1. Take the next problems (a seeded shuffle per epoch; the position is saved in checkpoints).
-2. Roll out 2G samples per problem with the colocated vLLM engine and the sandbox, through the
-   load-balanced scheduler; grade them, reward them. Every rank gets every rollout's numbers.
-3. GRPO-RoC (grpo_roc.py): leave out what the sandbox failed, drop all-equal groups, down-sample
-   each group to G, advantages.
-4. The policy update, in the loop: --mini-batches optimizer steps (one, as in the paper), each on
-   micro-batches (update.py deals them across ranks by token count and packs them): the log-probs,
-   GRPO-RoC's token-level clipped loss over the step's loss tokens on every rank, so any split gives
-   the gradient of one big batch; backward; the clip and AdamW.
-5. Sync the new weights into the engine.
+- The problems: the next ones (a seeded shuffle per epoch; the position is saved in checkpoints).
+- The rollouts: 2G samples per problem with the colocated vLLM engine and the sandbox, through the
+  load-balanced scheduler; graded, rewarded. Every rank gets every rollout's numbers.
+- GRPO-RoC (grpo_roc.py): leave out what the sandbox failed, drop all-equal groups, down-sample
+  each group to G, advantages.
+- The policy update, in the loop: --mini-batches optimizer steps (one, as in the paper), each on
+  micro-batches (update.py deals them across ranks by token count and packs them): the log-probs,
+  GRPO-RoC's token-level clipped loss over the step's loss tokens on every rank, so any split gives
+  the gradient of one big batch; backward; the clip and AdamW.
+- The weight sync: the new weights into the engine.
 Stages hand over through --init-from: the model, the optimizer (not in stage 3) and the data
 stream's position (the same file goes on where the earlier stage stopped; a new one starts afresh).
 """
@@ -285,7 +285,7 @@ for step in range(start_step, args.steps):
     row = {"step": step + 1}
     step_seed = args.seed * 1_000_003 + stream_start + step
 
-    # ---- 1-2. rollouts: 2G per problem, graded and rewarded; every rank gets all their numbers ----
+    # ---- problems and rollouts: 2G per problem, graded and rewarded; every rank gets all their numbers ----
     # With --dynamic-sampling a step draws problems again while it holds fewer mixed groups (some
     # rollouts right, some wrong) than --problems-per-step: an all-right or all-wrong group has zero
     # advantages and teaches nothing. Each draw's problems get their own indices, so groups stay apart.
@@ -323,7 +323,7 @@ for step in range(start_step, args.steps):
     row.update(drawn_problems=drawn, mixed_groups=n_mixed,
                mixed_share=len(mixed_groups(trajs)) / args.problems_per_step)
 
-    # ---- 3. GRPO-RoC: guards, down-sampling, advantages ----
+    # ---- GRPO-RoC: guards, down-sampling, advantages ----
     groups = defaultdict(list)
     for t in trajs:
         groups[t.index].append(t)
@@ -340,7 +340,7 @@ for step in range(start_step, args.steps):
         kept += group
         advantages += group_advantages([t.reward for t in group]).tolist() if group else []
 
-    # ---- 4. the policy update: --mini-batches optimizer steps, each on this rank's micro-batches ----
+    # ---- the policy update: --mini-batches optimizer steps, each on this rank's micro-batches ----
     t0 = time.perf_counter()
     warm = min(1.0, (step + 1) / max(args.warmup_steps, 1))
     for g, peak in zip(optimizer.param_groups, peaks):
@@ -369,7 +369,7 @@ for step in range(start_step, args.steps):
     row.update(step_metrics(parts, device), lr=peaks[0] * warm)  # lr: --lr, or under LoRA the adapters'
     row["train_seconds"] = time.perf_counter() - t0
 
-    # ---- 5. weight sync: the engine samples the next step with the new weights ----
+    # ---- the weight sync: the engine samples the next step with the new weights ----
     t0 = time.perf_counter()
     sync_weights(llm, full_weights(model, sync_dtype))
     row["sync_seconds"] = time.perf_counter() - t0

@@ -1,18 +1,18 @@
 """The training machinery sft.py and train.py share (eval.py uses the process group).
 
-1. The process group: torchrun's or one of one; NCCL on GPUs, gloo on CPUs, with a timeout that fits
-   RL, and a gloo group for objects and waits: no rank ever waits inside an NCCL collective.
-2. The model: rank 0 reads the checkpoint, the others build it on the meta device; FSDP2 shards each
-   decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs; the
-   trainer's GPU memory in expandable segments (off while the engine is awake).
-3. Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
-   share cut by a token budget (rows x the longest, or with packing the tokens alone), as many passes
-   on every rank (FSDP's collectives need them all). The token log-probs both losses use: logprobs.py.
-4. The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
-5. Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
-   leaves a broken step_N), the newest N kept, loaded with or without the optimizer; with LoRA, the
-   adapters only. The run's logs are rewound to the checkpoint on resume.
-6. Files: the check that every rank sees the output folder (all write checkpoints, one renames).
+- The process group: torchrun's or one of one; NCCL on GPUs, gloo on CPUs, with a timeout that fits
+  RL, and a gloo group for objects and waits: no rank ever waits inside an NCCL collective.
+- The model: rank 0 reads the checkpoint, the others build it on the meta device; FSDP2 shards each
+  decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs; the
+  trainer's GPU memory in expandable segments (off while the engine is awake).
+- Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
+  share cut by a token budget (rows x the longest, or with packing the tokens alone), as many passes
+  on every rank (FSDP's collectives need them all). The token log-probs both losses use: logprobs.py.
+- The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
+- Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
+  leaves a broken step_N), the newest N kept, loaded with or without the optimizer; with LoRA, the
+  adapters only. The run's logs are rewound to the checkpoint on resume.
+- Files: the check that every rank sees the output folder (all write checkpoints, one renames).
 """
 import copy
 import datetime
@@ -35,7 +35,7 @@ from conversation import chat_template
 from lora import add_lora, base_dtype, is_lora, lora_rank, merged_weights
 
 # -----------------------------------------------------------------------------
-# (1) The process group
+# The process group
 
 DIST_TIMEOUT_MINUTES = 240  # longer than a rank ever waits: a stage-2 straggler, a 30K-token evaluation
 _cpu_group = None
@@ -95,7 +95,7 @@ def cpu_group():
     return _cpu_group
 
 # -----------------------------------------------------------------------------
-# (2) The model and FSDP2
+# The model and FSDP2
 
 
 def shard_model(model, device):
@@ -161,7 +161,7 @@ def load_sharded_model(path: str, device, activation_checkpointing: bool = False
 
 
 # -----------------------------------------------------------------------------
-# (3) Micro-batches
+# Micro-batches
 
 
 def plan_micro_batches(lengths: list[int], budget: int, world_size: int,
@@ -196,7 +196,7 @@ def plan_micro_batches(lengths: list[int], budget: int, world_size: int,
 
 
 # -----------------------------------------------------------------------------
-# (4) The HF export
+# The HF export
 
 
 def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, latest: str | None = None):
@@ -222,7 +222,7 @@ def save_hf_checkpoint(model, tokenizer, out_dir: str, dtype=torch.float32, late
     dist.barrier(group=cpu_group())
 
 # -----------------------------------------------------------------------------
-# (5) Checkpoints
+# Checkpoints
 
 
 def complete_checkpoints(root: str) -> list[str]:
@@ -326,7 +326,7 @@ def rewind_logs(out_dir: str, step: int) -> None:
                 f.writelines(kept)
 
 # -----------------------------------------------------------------------------
-# (6) Files
+# Files
 
 
 def check_shared_dir(path: str) -> None:

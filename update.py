@@ -1,4 +1,4 @@
-"""What the policy update needs and a reader need not see first. train.py's step 4 is the update itself:
+"""What the policy update needs and a reader need not see first. train.py's policy update is the loop itself:
 for each mini-batch, for each micro-batch, the log-probs, grpo_roc.policy_loss, backward; then the clip
 and the optimizer step. This file hands that loop its mini-batches (mini_batches) and each one's
 micro-batches (iterating a MiniBatch), adds up their metrics (record) and reports them (step_metrics).
@@ -9,7 +9,7 @@ a rank with none left runs an empty pass (FSDP's collectives need every rank in 
 prompts' common start runs once per mini-batch and the gradient the micro-batches leave on it goes back
 through it once, after the last; the old log-probs of every mini-batch after the first are taken before
 the first step; the reference policy's log-probs (--kl-coef); the loss's scaling by the world size.
-World size 1 is the same code: tests/test_update.py runs train.py's step 4 on a tiny model, no vLLM.
+World size 1 is the same code: tests/test_update.py runs train.py's policy update on a tiny model, no vLLM.
 """
 from dataclasses import dataclass, field
 

@@ -1,6 +1,6 @@
 """The policy update on a tiny random Qwen3 model: one process, no vLLM, no torchrun.
 
-`update` below is train.py's step 4 (its calls, in its order: a test checks it), run on hand-made
+`update` below is train.py's policy update (its calls, in its order: a test checks it), run on hand-made
 trajectories whose prompts share a start (like the system prompt), so the shared-prefix path and the
 micro-batch plan of update.py run too."""
 import ast
@@ -60,7 +60,7 @@ def rollouts(n=6, seed=0):
 
 
 def update(model, optimizer, kept, advantages, probes=(), reference=None, **changes):
-    """train.py's step 4 on one process, with its flags `args` (DEFAULTS and `changes`): the metrics."""
+    """train.py's policy update on one process, its flags `args` (DEFAULTS and `changes`): the metrics."""
     args, device = SimpleNamespace(**dict(DEFAULTS, **changes)), torch.device("cpu")
     policy = Policy(model, 0, device, args.temperature, args.micro_batch_tokens, probes=list(probes),
                     reference=reference)
