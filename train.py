@@ -43,8 +43,9 @@ from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, EPS_HIGH, EPS_LOW, MIS
 from logprobs import token_logprobs
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, trains_adapters_only
 from offload import trainer_offloaded
-from rollout import (STAGE_ROLLOUTS, add_rollout_flags, collapse_alarms, drop_long_prompts, read_problems,
-                     rollout_config, trajectory_metrics)
+from report import collapse_alarms
+from rollout import (STAGE_ROLLOUTS, add_rollout_flags, drop_long_prompts, read_problems, rollout_config,
+                     trajectory_metrics)
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
 from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,

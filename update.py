@@ -174,7 +174,7 @@ def shared_prefix(policy: Policy, kept, micro_batches) -> SharedPrefix | None:
 
 def step_metrics(parts: list[MiniBatch], device) -> dict:
     """The update's metrics: each summed over ranks, then averaged over the optimizer steps (a key ending
-    in "_max" is the largest instead); the effective sample size of (11); the number of steps. In
+    in "_max" is the largest instead); grpo_roc's (11) effective sample size; the number of steps. In
     float64: sums of many small terms keep their digits."""
     values = torch.tensor([[p.sums[k] for k in METRICS] for p in parts], dtype=torch.float64).to(device)
     total, highest = values.clone(), values.clone()                                        # (K, metrics)

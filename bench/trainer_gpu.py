@@ -142,7 +142,7 @@ class Phase:
 
 
 def update(model, optimizer, kept, advantages, packed: bool, device) -> dict:
-    """(3) One RL step's update, as update.old_logprobs and train.py's step 4 run it (their steps apart,
+    """(3) One RL step's update, as update.old_logprobs and train.py's policy update run it (their steps apart,
     for each phase's memory peak); its phases."""
     fused = packed and device.type == "cuda"  # (as train.py: fused AdamW on GPUs)
     if optimizer.param_groups[0]["fused"] != fused:

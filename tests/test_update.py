@@ -94,7 +94,7 @@ def calls(source: str) -> list[str]:
 
 
 def test_these_tests_run_train_py_s_update_as_it_is_written():
-    """`update` is train.py's step 4: the same calls from mini_batches to record_grad_norm, in order."""
+    """`update` is train.py's policy update: the same calls from mini_batches to record_grad_norm, in order."""
     def loop(source):  # from the loop over the mini-batches to its last line
         return textwrap.dedent(source[source.index("    for part in parts:"):
                                       source.index("part.record_grad_norm(grad_norm)") + 32])
