@@ -37,11 +37,14 @@ def accuracy_by_operations(folder: str, benchmark_file: str) -> dict:
     return {k: statistics.mean(v) for k, v in sorted(by_steps.items())}
 
 
-def paired_gain(base_folder: str, folder: str) -> tuple[float, float, int]:
+def paired_gain(base_folder: str, folder: str, only=None) -> tuple[float, float, int]:
     """(mean gain in avg@n, its standard error, problems) of one evaluation over another of the same
-    problems. Paired: the gain of each problem is taken first, so that how hard a problem is (most of
-    the spread between problems) cancels; the standard error is their standard deviation / sqrt(n)."""
+    problems (`only`: those whose index it holds). Paired: the gain of each problem is taken first, so
+    that how hard a problem is (most of the spread between problems) cancels; the standard error is
+    their standard deviation / sqrt(n)."""
     base, other = per_problem(base_folder), per_problem(folder)
+    if only is not None:
+        base = {key: value for key, value in base.items() if key[1] in only}
     if not (set(base) <= set(other) or set(other) <= set(base)):
         raise ValueError(f"{base_folder} and {folder} evaluated different problems: a paired gain needs the "
                          f"same ones (or the first N of them)\n---> HINT: evaluate both with the same "
@@ -72,10 +75,16 @@ def print_table(columns: dict, n: int, benchmark_file: str | None = None):
         for k, label in ((1, "one operation (avg@{n}, %)"), (2, "two or more (avg@{n}, %)")):
             cells = [100 * ops.get(k, float("nan")) for ops in by_operations]
             print(f"{label.format(n=n):32}" + "".join(f"{cell:14.1f}" for cell in cells))
+    subsets = [(None, "held-out accuracy")]
+    if benchmark_file:
+        with open(benchmark_file) as f:
+            multi = {i for i, line in enumerate(f) if json.loads(line).get("steps", 1) > 1}
+        subsets.append((multi, "two or more operations"))
     for name in list(tables)[1:]:
-        gain, se, problems = paired_gain(columns[first], columns[name])
-        print(f"{name}: held-out accuracy {100 * gain:+.1f} points over the {first} model (paired standard "
-              f"error {100 * se:.1f} over {problems} problems; gain / SE = {gain / se if se else 0:.1f})")
+        for only, label in subsets:
+            gain, se, problems = paired_gain(columns[first], columns[name], only)
+            print(f"{name}: {label} {100 * gain:+.1f} points over the {first} model (paired standard error "
+                  f"{100 * se:.1f} over {problems} problems; gain / SE = {gain / se if se else 0:.1f})")
 
 
 def mean_of(rows: list[dict], key: str) -> float:

@@ -41,3 +41,19 @@ def test_accuracy_by_operations_groups_problems_by_their_steps_two_or_more_toget
                                  for s in (1, 2, 3, 1)))
     # one operation: problems 0 and 3 (1.0, 0.5); two or more: problems 1 and 2 (0.5, 0.0)
     assert accuracy_by_operations(folder, str(benchmark)) == {1: 0.75, 2: 0.25}
+
+
+def test_a_paired_gain_over_some_problems_pairs_those_alone(tmp_path, capsys):
+    from report import print_table
+    base = write_samples(tmp_path / "sft", {0: [0, 0], 1: [0, 0], 2: [1, 1]})
+    after = write_samples(tmp_path / "rl", {0: [1, 1], 1: [1, 0], 2: [0, 0]})
+    assert paired_gain(base, after, only={0, 1}) == (0.75, pytest.approx(0.25), 2), "+1 and +0.5"
+    for folder in (base, after):
+        (tmp_path / folder / "table.json").write_text(json.dumps({"table": [{"problems": 3}]}))
+    benchmark = tmp_path / "test.jsonl"
+    benchmark.write_text("".join(json.dumps({"question": "q", "answer": "1", "steps": s}) + "\n"
+                                 for s in (2, 3, 1)))
+    print_table({"SFT": base, "RL": after}, 2, str(benchmark))
+    printed = capsys.readouterr().out
+    assert "RL: two or more operations +75.0 points over the SFT model (paired standard error 25.0 over 2" \
+        in printed, printed
