@@ -45,6 +45,7 @@ def paired_gain(base_folder: str, folder: str, only=None) -> tuple[float, float,
     base, other = per_problem(base_folder), per_problem(folder)
     if only is not None:
         base = {key: value for key, value in base.items() if key[1] in only}
+        other = {key: value for key, value in other.items() if key[1] in only}
     if not (set(base) <= set(other) or set(other) <= set(base)):
         raise ValueError(f"{base_folder} and {folder} evaluated different problems: a paired gain needs the "
                          f"same ones (or the first N of them)\n---> HINT: evaluate both with the same "

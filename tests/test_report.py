@@ -48,6 +48,10 @@ def test_a_paired_gain_over_some_problems_pairs_those_alone(tmp_path, capsys):
     base = write_samples(tmp_path / "sft", {0: [0, 0], 1: [0, 0], 2: [1, 1]})
     after = write_samples(tmp_path / "rl", {0: [1, 1], 1: [1, 0], 2: [0, 0]})
     assert paired_gain(base, after, only={0, 1}) == (0.75, pytest.approx(0.25), 2), "+1 and +0.5"
+    four = write_samples(tmp_path / "four", {0: [0, 0], 1: [0, 0], 2: [1, 1], 3: [0, 0]})
+    first_three = write_samples(tmp_path / "between", {0: [1, 1], 1: [1, 0], 2: [1, 1]})  # (--first 3)
+    assert paired_gain(four, first_three, only={1, 2, 3}) == (0.25, pytest.approx(0.25), 2), \
+        "problems 1 and 2: those of the subset that both evaluated"
     for folder in (base, after):
         (tmp_path / folder / "table.json").write_text(json.dumps({"table": [{"problems": 3}]}))
     benchmark = tmp_path / "test.jsonl"
