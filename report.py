@@ -119,6 +119,9 @@ def plot_curves(curves: list, path: str, title: str, one_after_another: bool):
               f"{mean_of(tail, 'accuracy'):.2f}, tool use {mean_of(head, 'tool_use'):.2f} -> "
               f"{mean_of(tail, 'tool_use'):.2f}, tool-error ratio of correct rollouts "
               f"{mean_of(head, 'tool_error_ratio_pos'):.3f} -> {mean_of(tail, 'tool_error_ratio_pos'):.3f}")
+    for ax, (key, _) in zip(axes, PANELS):
+        if not ax.lines or all(math.isnan(y) for line in ax.lines for y in line.get_ydata()):
+            ax.text(0.5, 0.5, f"no {key} in these runs' metrics.jsonl", ha="center", transform=ax.transAxes)
     axes[0].legend()
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()

@@ -61,3 +61,13 @@ def test_a_paired_gain_over_some_problems_pairs_those_alone(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "RL: two or more operations +75.0 points over the SFT model (paired standard error 25.0 over 2" \
         in printed, printed
+
+
+def test_the_curves_plot_a_run_whose_metrics_lack_a_panels_key(tmp_path, capsys):
+    from report import PANELS, plot_curves
+    run = tmp_path / "stage1"
+    run.mkdir()
+    row = {key: 0.5 for key, _ in PANELS if key != "entropy"}  # (a run from before entropy was logged)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(dict(row, step=s)) + "\n" for s in (1, 2)))
+    plot_curves([("stage 1", str(run))], str(tmp_path / "curves.png"), "title", one_after_another=True)
+    assert (tmp_path / "curves.png").stat().st_size > 0
