@@ -69,6 +69,14 @@ FORKS = {
             loss, _ = policy_loss(logp, logp, torch.ones(2), mask, 40, n_rollouts=2)
             assert loss.item() == -40 / 2, "each rollout's token sum, averaged over the 2 rollouts"
         """),
+    "rloo": (["tests/test_grpo_roc.py::test_roc_exact_counts_from_2g"], """
+        import torch
+        from grpo_roc import group_advantages
+
+        def test_each_reward_minus_the_mean_of_the_others():
+            want = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3])
+            assert torch.allclose(group_advantages([1.0, 0.0, 0.0, 0.0]), want)
+        """),
     "gspo": (["tests/test_update.py::test_several_mini_batches_step_from_the_policy_before_the_first",
               "tests/test_update.py::test_the_step_does_not_depend_on_how_it_is_cut_into_micro_batches"], """
         import math
