@@ -74,8 +74,9 @@ def update(model, optimizer, kept, advantages, probes=(), reference=None, **chan
                                                             part.n_loss_tokens, args.mismatch_correction,
                                                             args.mismatch_threshold)
             loss, metrics = policy_loss(logp, old_logp, micro.advantages, loss_mask, part.n_loss_tokens,
-                                        args.eps_low, args.eps_high, weights, micro.reference_logprobs(),
-                                        args.kl_coef, entropy, part.n_rollouts)
+                                        args.eps_low, args.eps_high, token_weights=weights,
+                                        ref_logp=micro.reference_logprobs(), kl_coef=args.kl_coef,
+                                        entropy=entropy, n_rollouts=part.n_rollouts)
             micro.backward(loss)
             part.record(logp, micro, dict(metrics, **mismatch, loss=loss.item()))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
