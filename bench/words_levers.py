@@ -19,6 +19,7 @@ accuracy on problems of one operation and of two or more apart, its failing call
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,9 @@ RL_ARMS = {
     "RL lr 1e-4": ["--lr", "1e-4"],
     "RL 200 tokens": ["--max-response", "200"],
     "RL 4 draws": ["--max-draws", "4"],
+    # RL problems without the evaluation's 300, two-operation ones repeated to half: the recipe's RL
+    # taught the policy to stop after one operation (docs/words.md)
+    "RL two ops half": ["--data", f"{OUT}/train_two_ops_half.jsonl"],
 }
 parser = argparse.ArgumentParser(description="The words recipe's levers on training problems.")
 parser.add_argument("--arms", default="sft", help="comma-separated arms in the order to run, or sft, rl")
@@ -93,6 +97,12 @@ with open("data/mawps/train.jsonl") as f:
 with open(slice_file, "w") as f:
     last300 = ProblemStream(problems, seed=0).take(len(problems) - 300, 300)
     f.writelines(json.dumps(p) + "\n" for p in last300)
+held = {p["question"] for p in last300}
+rest = [p for p in problems if p["question"] not in held]
+multi = [p for p in rest if p.get("steps", 1) > 1]
+with open(f"{OUT}/train_two_ops_half.jsonl", "w") as f:
+    extra = random.Random(0).choices(multi, k=max(0, len(rest) - 2 * len(multi)))
+    f.writelines(json.dumps(p) + "\n" for p in rest + extra)
 
 
 
