@@ -116,11 +116,6 @@ def _prefilter(group, group_size):
     return None
 
 
-def _in_order(group, chosen):
-    ids = {id(t) for t in chosen}
-    return [t for t in group if id(t) in ids]
-
-
 def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Random,
                         positive_weight: str = "roc", **settings):
     """GRPO-RoC: one problem's rollouts down to `group_size`, positives drawn by positive_weight (4)."""
@@ -137,7 +132,7 @@ def resample_on_correct(group: list[Trajectory], group_size: int, rng: random.Ra
     kept_neg = rng.sample(neg, n_neg)                       # (3)
     weights = [POSITIVE_WEIGHTS[positive_weight](t) for t in pos]
     kept_pos = _weighted_sample(pos, weights, n_pos, rng)   # (4)
-    kept = _in_order(group, kept_neg + kept_pos)
+    kept = [t for t in group if any(t is c for c in kept_neg + kept_pos)]  # in the group's order
     return kept, _stats(kept=kept)
 
 
@@ -146,7 +141,7 @@ def downsample_uniform(group: list[Trajectory], group_size: int, rng: random.Ran
     decided = _prefilter(group, group_size)
     if decided is not None:
         return decided
-    kept = _in_order(group, rng.sample(list(group), group_size))
+    kept = [group[i] for i in sorted(rng.sample(range(len(group)), group_size))]  # (the same draw)
     return kept, _stats(kept=kept)
 
 
