@@ -188,6 +188,7 @@ def gloo_rank(rank: int, world: int, init: str, count: int, prompt: int, respons
     result["counts"] = value[2]
     with open(f"{out}/rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
+    dist.barrier()  # no rank tears gloo down while the other may still be talking to it
     dist.destroy_process_group()
 
 

@@ -252,6 +252,7 @@ def _rank_main(model: str, out: str):
     held = sorted({t.index for t in trajs if t.response_ids is not None and t.text is not None})
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"batch": batch, "handled": handled, "held": held}, f)
+    dist.barrier()  # no rank tears gloo down while the other may still be talking to it
     dist.destroy_process_group()
 
 
