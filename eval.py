@@ -143,15 +143,16 @@ def format_table(rows: list[dict]) -> str:
 
 
 def select_unsolved(problems: list[dict], trajs: list, k: int, min_solved: int = 0) -> list[dict]:
-    """(--filter-solved) The problems solved (`correct`) at least min_solved times but not k/k, in order;
-    a sample the sandbox failed counts as unsolved. Every problem must have k samples."""
+    """(--filter-solved) The problems solved (`correct`) at least min_solved times but not k/k, in order,
+    each with its pass rate (solved / k: what a curriculum orders by); a sample the sandbox failed counts
+    as unsolved. Every problem must have k samples."""
     tried, solved = defaultdict(int), defaultdict(int)
     for t in trajs:
         tried[t.index] += 1
         solved[t.index] += t.correct and not t.sandbox_failed
     if any(tried[i] != k for i in range(len(problems))) or len(tried) != len(problems):
         raise ValueError(f"select_unsolved needs exactly {k} graded samples per problem")
-    return [p for i, p in enumerate(problems) if min_solved <= solved[i] < k]
+    return [dict(p, pass_rate=solved[i] / k) for i, p in enumerate(problems) if min_solved <= solved[i] < k]
 
 
 def benchmark_path(benchmark: str, eval_dir: str) -> str:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eval import select_unsolved  # noqa: E402
-from batch import mixed_groups  # noqa: E402
+from batch import ProblemStream, mixed_groups  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-size", "2",
@@ -21,6 +21,19 @@ SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-siz
 def group(index, rewards, failed=()):
     return [Trajectory(index, sample=i, reward=r, correct=r == 1.0, sandbox_failed=i in failed)
             for i, r in enumerate(rewards)]
+
+
+def test_the_stream_gives_the_same_problems_at_a_position_however_it_is_cut():
+    """Dynamic sampling draws again from where the last draw stopped, and every rank takes its own
+    cut: a position must name one problem, each epoch every problem once, each epoch its own shuffle."""
+    problems = [{"question": f"q{i}", "answer": "1"} for i in range(5)]
+    stream = ProblemStream(problems, seed=7)
+    whole = stream.take(0, 15)
+    assert whole == stream.take(0, 3) + stream.take(3, 6) + ProblemStream(problems, seed=7).take(9, 6)
+    for epoch in range(3):
+        assert sorted(p["question"] for p in whole[5 * epoch:5 * epoch + 5]) == [p["question"] for p in problems]
+    assert len({tuple(stream.order(epoch)) for epoch in range(3)}) > 1, "every epoch the same order"
+    assert ProblemStream(problems, seed=8).take(0, 5) != whole[:5], "the seed does not reach the shuffle"
 
 
 def test_a_group_is_mixed_when_its_graded_rollouts_disagree():
@@ -33,9 +46,11 @@ def test_the_band_keeps_problems_solved_at_least_m_and_fewer_than_k_times():
     counts = [4, 0, 3, 1, 2, 4, 0]
     problems = [{"question": f"q{i}", "answer": str(i)} for i in range(len(counts))]
     trajs = [t for i, c in enumerate(counts) for t in group(i, [1.0] * c + [0.0] * (4 - c))]
-    assert select_unsolved(problems, trajs, 4) == [problems[i] for i in (1, 2, 3, 4, 6)]
-    assert select_unsolved(problems, trajs, 4, min_solved=1) == [problems[i] for i in (2, 3, 4)]
-    assert select_unsolved(problems, trajs, 4, min_solved=3) == [problems[2]]
+    def band(*kept):
+        return [dict(problems[i], pass_rate=counts[i] / 4) for i in kept]
+    assert select_unsolved(problems, trajs, 4) == band(1, 2, 3, 4, 6)
+    assert select_unsolved(problems, trajs, 4, min_solved=1) == band(2, 3, 4)
+    assert select_unsolved(problems, trajs, 4, min_solved=3) == band(2)
 
 
 def train(out, model, data, *flags):
@@ -83,7 +98,8 @@ def test_the_filter_with_a_band_keeps_exactly_the_problems_solved_some_of_the_ti
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     verdicts = [json.loads(x) for x in (tmp_path / "verdicts" / "samples.jsonl").read_text().splitlines()]
     solved = [sum(s["correct"] for s in verdicts if s["problem"] == i) for i in range(16)]
-    band = (tmp_path / "band.jsonl").read_text().splitlines()
-    assert band == [x for x, c in zip(lines, solved) if c == 1], "the band keeps the problems solved once in 2"
+    band = [json.loads(x) for x in (tmp_path / "band.jsonl").read_text().splitlines()]
+    assert band == [dict(json.loads(x), pass_rate=0.5) for x, c in zip(lines, solved) if c == 1], \
+        "the band keeps the problems solved once in 2, each with its pass rate"
     assert 0 < len(band) < 16, "the toy model should solve some problems once in two"
     assert "solved 2/2 or fewer than 1/2" in proc.stdout

@@ -55,7 +55,8 @@ def test_filter_keeps_exactly_the_problems_below_k_of_k():
     counts = [8, 0, 7, 8, 1, 8, 4]
     problems = [{"question": f"q{i}", "answer": str(i), "source": "dapo", "id": 100 + i} for i in range(len(counts))]
     kept = select_unsolved(problems, graded(counts, 8), 8)
-    assert kept == [problems[i] for i in (1, 2, 4, 6)], "kept must be the problems solved fewer than 8/8, fields intact"
+    assert kept == [dict(problems[i], pass_rate=counts[i] / 8) for i in (1, 2, 4, 6)], \
+        "kept must be the problems solved fewer than 8/8, fields intact, each with its pass rate"
     assert select_unsolved(problems, graded([8] * 7, 8), 8) == [], "problems solved 8/8 must all be removed"
     with pytest.raises(ValueError):
         select_unsolved(problems, graded(counts, 8)[:-1], 8)  # a problem with 7 samples: not a K/K verdict
@@ -83,7 +84,8 @@ def test_a_shaped_reward_leaves_accuracy_pass_at_k_and_the_filter_unchanged(monk
     shaped = graded(counts, 4)
     assert [t.reward for t in shaped] != [t.reward for t in paper], "the shaping did not reach the reward"
     assert benchmark_row("toy", shaped, 4) == benchmark_row("toy", paper, 4), "shaping changed the table"
-    assert select_unsolved(problems, shaped, 4) == select_unsolved(problems, paper, 4) == problems[1:]
+    assert select_unsolved(problems, shaped, 4) == select_unsolved(problems, paper, 4) \
+        == [dict(p, pass_rate=c / 4) for p, c in zip(problems[1:], counts[1:])]
 
 
 def test_samples_the_sandbox_failed_are_counted_apart_and_never_scored():
@@ -94,7 +96,8 @@ def test_samples_the_sandbox_failed_are_counted_apart_and_never_scored():
     assert math.isclose(row["avg_pass@1"], 2 / 3), "a failed sample must be left out, not scored 0"
     assert math.isclose(row["pass@2"], (1 + 0) / 2), "pass@k over the problem's scored samples only"
     problems = [{"question": "a", "answer": "1"}, {"question": "b", "answer": "1"}]
-    assert select_unsolved(problems, trajs, 2) == problems[1:], "an unfinished check is not a k/k solve"
+    assert select_unsolved(problems, trajs, 2) == [dict(problems[1], pass_rate=0.0)], \
+        "an unfinished check is not a k/k solve, nor a solve in the pass rate"
 
 
 def test_benchmarks_are_named_files_or_paths_and_a_missing_one_says_what_to_do(tmp_path):
