@@ -52,6 +52,8 @@ SFT_ARMS = {
     "48 steps": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "48"]),
     "lr 4e-4": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "24", "--lr", "4e-4"]),
     "epoch": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "75"]),
+    # the problem's numbers listed first: RL learned how often to write a second step, not when
+    "counted": (["--style", "counted", "--error-share", "0.1"], ["--max-steps", "24"]),
 }
 # An RL arm: its train.py flags over RL's (a later flag wins).
 RL_ARMS = {
@@ -63,6 +65,10 @@ RL_ARMS = {
     # RL problems without the evaluation's 300, two-operation ones repeated to half: the recipe's RL
     # taught the policy to stop after one operation (docs/words.md)
     "RL two ops half": ["--data", f"{OUT}/train_two_ops_half.jsonl"],
+    # the same, held near the SFT model (k3 to it), whose samples write the second operation
+    "RL two ops half KL": ["--data", f"{OUT}/train_two_ops_half.jsonl", "--kl-coef", "0.05"],
+    # no one-operation problem, so no rollout is punished for writing a second operation
+    "RL two ops only": ["--data", f"{OUT}/train_two_ops_only.jsonl"],
 }
 parser = argparse.ArgumentParser(description="The words recipe's levers on training problems.")
 parser.add_argument("--arms", default="sft", help="comma-separated arms in the order to run, or sft, rl")
@@ -103,10 +109,15 @@ multi = [p for p in rest if p.get("steps", 1) > 1]
 with open(f"{OUT}/train_two_ops_half.jsonl", "w") as f:
     extra = random.Random(0).choices(multi, k=max(0, len(rest) - 2 * len(multi)))
     f.writelines(json.dumps(p) + "\n" for p in rest + extra)
+with open(f"{OUT}/train_two_ops_only.jsonl", "w") as f:
+    f.writelines(json.dumps(p) + "\n" for p in multi)
 
 
 
 def folder(arm: str) -> str:
+    """An arm's runs; an RL arm from another SFT arm than stepwise's is another run, named so."""
+    if arm in RL_ARMS and args.rl_from != "stepwise":
+        arm = f"{arm} from {args.rl_from}"
     return f"{OUT}/{arm.replace(' ', '_').replace('%', '').replace('.', '')}"
 
 

@@ -112,6 +112,14 @@ def test_the_stepwise_style_makes_every_operation_a_step_and_leaves_the_answer_t
     assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
 
 
+def test_the_counted_style_lists_the_problems_numbers_before_the_steps():
+    _, reasoning, steps, _, _ = convert(BRYAN, "counted")
+    assert reasoning == "The numbers are 56 and 9. First, 56 * 9 = 504."
+    assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)", "the code is stepwise's"
+    _, reasoning, _, _, _ = convert(DAVE, "counted")  # three numbers, two operations
+    assert reasoning == "The numbers are 9, 27 and 20. First, 9 + 27 = 36. Then, 36 - 20 = 16."
+
+
 def test_names_come_from_the_words_next_to_each_number():
     assert leaf_names(BRYAN["Question"], BRYAN["Numbers"].split(), ["number0", "number1"]) == \
         {"number0": "books", "number1": "bookshelves"}, "a name stops at a filler word (books in each)"
