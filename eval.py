@@ -143,9 +143,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def select_unsolved(problems: list[dict], trajs: list, k: int, min_solved: int = 0) -> list[dict]:
-    """(--filter-solved) The problems solved (`correct`) at least min_solved times but not k/k, in order,
-    each with its pass rate (solved / k: what a curriculum orders by); a sample the sandbox failed counts
-    as unsolved. Every problem must have k samples."""
+    """(--filter-solved) The problems solved (`correct`) at least min_solved times but not k/k, in order, each
+    with its pass_rate (solved / k); a sample the sandbox failed is unsolved. Every problem needs k samples."""
     tried, solved = defaultdict(int), defaultdict(int)
     for t in trajs:
         tried[t.index] += 1

@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoTokenizer
 from conversation import pad_token_id, render_messages
 from logprobs import SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs
 from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
-from training import close_distributed, init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
+from training import init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
 
 try:
     LIBC = ctypes.CDLL("libc.so.6")  # glibc, whose malloc_trim returns freed pages to the system
@@ -282,7 +282,8 @@ def main(argv=None):
     if master:
         metrics_file.close()
         print(f"saved the checkpoint to {args.out_dir}")
-    close_distributed()
+    dist.barrier()  # the ranks leave together: a rank that tears gloo down while another talks to it can abort
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ from rollout import (STAGE_ROLLOUTS, add_rollout_flags, drop_long_prompts, read_
                      trajectory_metrics)
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
-from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, close_distributed, cpu_group, init_distributed,
-                      load_sharded_model, save_checkpoint, save_hf_checkpoint, start_point)
+from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
+                      save_checkpoint, save_hf_checkpoint, start_point)
 from update import Policy, mini_batches, step_metrics
 
 # -----------------------------------------------------------------------------
@@ -418,4 +418,6 @@ for step in range(start_step, args.steps):
 
 sandbox.close()
 del llm
-close_distributed()
+if dist.is_initialized():  # vLLM may have torn the process group down with the engine
+    dist.barrier(group=cpu_group())  # (a rank that tears gloo down while another talks to it can abort)
+    dist.destroy_process_group()

@@ -94,14 +94,6 @@ def cpu_group():
     """The gloo group for objects and waits (NCCL's watchdog kills a rank that waits inside NCCL)."""
     return _cpu_group
 
-
-def close_distributed():
-    """Leave the process group together: a rank that tears gloo down while another still talks to it
-    can abort that rank at exit (SIGABRT, "terminate called without an active exception")."""
-    if dist.is_initialized():  # (vLLM may have torn the group down with its engine)
-        dist.barrier(group=cpu_group())
-        dist.destroy_process_group()
-
 # -----------------------------------------------------------------------------
 # The model and FSDP2
 

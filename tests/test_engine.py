@@ -230,7 +230,7 @@ def _gather_rank_main(folder: str):
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from engine import full_weights
-    from training import close_distributed, init_distributed, shard_model
+    from training import init_distributed, shard_model
     rank, _, _, device = init_distributed()
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -259,7 +259,8 @@ def _gather_rank_main(folder: str):
               "gathered": Gathers.dtypes}
     with open(f"{folder}/rank{rank}.json", "w") as f:
         json.dump(result, f)
-    close_distributed()
+    torch.distributed.barrier()  # no rank tears gloo down while the other may still be talking to it
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -248,7 +248,7 @@ def _rank_main(folder: str):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM  # noqa: F401  (imported before measuring: ~100 MB)
-    from training import check_shared_dir, close_distributed, cpu_group, init_distributed, load_sharded_model
+    from training import check_shared_dir, cpu_group, init_distributed, load_sharded_model
     rank, _, _, device = init_distributed()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model = load_sharded_model(f"{folder}/model", device)
@@ -269,7 +269,8 @@ def _rank_main(folder: str):
         result["not_shared"] = str(e)
     with open(f"{folder}/rank{rank}.json", "w") as f:
         json.dump(result, f)
-    close_distributed()
+    torch.distributed.barrier()  # no rank tears gloo down while the other may still be talking to it
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
