@@ -6,15 +6,16 @@
     .venv/bin/python bench/words_levers.py --arms "errors 10%,RL T 0.7"   # some, in this order
 
 An SFT arm builds its SFT set with data/prepare_mawps.py (the same seed, so the same split: only the
-conversations change) and runs sft.py as demo.py --real does (batch 16, lr 2e-4, 10% warm-up). An RL
-arm runs train.py's stage 1 from one SFT arm's model (--rl-from; from another arm than stepwise, in
-a folder of its own) with one setting moved from the base (8 problems x 8 rollouts kept 4 by RoC,
-temperature 1.0, lr 5e-5, 320 tokens, T = 3, dynamic sampling with 2 draws, 12 steps). Every model is evaluated as demo.py evaluates (temperature 0.6, 384 tokens,
-T = 6), with 2 samples, on the last 300 problems of data/mawps/train.jsonl in train.py's data order
-(seed 0, first epoch): RL problems, never SFT ones, and not drawn by an RL run of fewer than 850
-problems. So the recipe is chosen without the held-out problems. The table gives each arm's
-accuracy on problems of one operation and of two or more apart, its failing calls and lengths, and
-(report.py's table) its paired gain over the first arm listed. A finished arm is skipped.
+conversations change) and runs sft.py as demo.py --real does (batch 16, lr 2e-4, 10% warm-up). An RL arm
+runs train.py's stage 1 from one SFT arm's model (--rl-from; from another arm than stepwise, in a folder
+of its own) with one setting moved from the base (8 problems x 8 rollouts kept 4 by RoC, temperature
+1.0, lr 5e-5, 320 tokens, T = 3, dynamic sampling with 2 draws, 12 steps). Every model is evaluated as
+demo.py evaluates (temperature 0.6, 384 tokens, T = 6), with 2 samples, on the last 300 problems of
+data/mawps/train.jsonl in train.py's data order (seed 0, first epoch): RL problems, never SFT ones, and
+not drawn by an RL run of fewer than 850 problems. So the recipe is chosen without the held-out
+problems. The table gives each arm's accuracy on problems of one operation and of two or more apart, its
+failing calls and lengths, and (report.py's table) its paired gain over the first arm listed. A finished
+arm is skipped.
 """
 import argparse
 import json

@@ -157,7 +157,7 @@ def convert(record: dict, style: str = "stepwise") -> tuple[str, str, list[tuple
         a, b = value_of(node[1]), value_of(node[2])
         return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else float("nan")}[node[0]]
 
-    if style in ("formulaic", "stepwise", "counted"):  # a number as the problem prints it, a result by its value
+    if style in ("formulaic", "stepwise", "counted"):  # a number as printed, a result by its value
         def shown(node):
             if isinstance(node, str):
                 return number_text(numbers[int(node[6:])])

@@ -31,7 +31,7 @@ def test_the_stream_gives_the_same_problems_at_a_position_however_it_is_cut():
     whole = stream.take(0, 15)
     assert whole == stream.take(0, 3) + stream.take(3, 6) + ProblemStream(problems, seed=7).take(9, 6)
     for epoch in range(3):
-        assert sorted(p["question"] for p in whole[5 * epoch:5 * epoch + 5]) == [p["question"] for p in problems]
+        assert sorted(p["question"] for p in whole[5 * epoch:5 * epoch + 5]) == [f"q{i}" for i in range(5)]
     assert len({tuple(stream.order(epoch)) for epoch in range(3)}) > 1, "every epoch the same order"
     assert ProblemStream(problems, seed=8).take(0, 5) != whole[:5], "the seed does not reach the shuffle"
 

@@ -174,19 +174,22 @@ FORKS = {
             assert call is not None and call.error is None, f"the call did not parse back: {call}"
             assert sandbox.run(call.code, call.stdin).stdout == "413\\n"
         """),
-    "pass-rate-curriculum": (["tests/test_dynamic_sampling.py::test_the_band_keeps_problems_solved_at_least_m_and_fewer_than_k_times",
-                              "tests/test_dynamic_sampling.py::test_the_stream_gives_the_same_problems_at_a_position_however_it_is_cut"], """
+    "pass-rate-curriculum": ([
+        "tests/test_dynamic_sampling.py::test_the_band_keeps_problems_solved_at_least_m_and_fewer_than_k_times",
+        "tests/test_dynamic_sampling.py::test_the_stream_gives_the_same_problems_at_a_position_however_it_is_cut"], """
         from batch import ProblemStream
 
         def test_each_epoch_takes_the_easiest_first_and_the_rest_in_the_shuffles_order():
             rates = [0.25, None, 0.75, 0.5, None, 0.75]
-            problems = [{"question": f"q{i}", **({} if r is None else {"pass_rate": r})} for i, r in enumerate(rates)]
+            problems = [{"question": f"q{i}"} if r is None else {"question": f"q{i}", "pass_rate": r}
+                        for i, r in enumerate(rates)]
             stream, plain = ProblemStream(problems, seed=3), ProblemStream([{"question": "x"}] * 6, seed=3)
             for epoch in (0, 1):
                 order = stream.order(epoch)
                 assert [rates[i] or 0.0 for i in order] == [0.75, 0.75, 0.5, 0.25, 0.0, 0.0]
                 for rate in (0.75, None):  # problems of one pass rate keep the shuffle's order
-                    assert [i for i in order if rates[i] == rate] == [i for i in plain.order(epoch) if rates[i] == rate]
+                    shuffled = [i for i in plain.order(epoch) if rates[i] == rate]
+                    assert [i for i in order if rates[i] == rate] == shuffled
             assert stream.take(4, 4) == [problems[i] for i in stream.order(0)[4:] + stream.order(1)[:2]]
         """),
 }

@@ -138,8 +138,8 @@ def test_the_three_stage_recipe_hands_over_model_optimizer_data_and_the_hard_pro
     verdicts = [json.loads(x) for x in (tmp_path / "verdicts" / "samples.jsonl").read_text().splitlines()]
     solved = [sum(s["correct"] for s in verdicts if s["problem"] == i) for i in range(12)]
     hard = (tmp_path / "hard.jsonl").read_text().splitlines()
-    assert [json.loads(x) for x in hard] == [dict(json.loads(x), pass_rate=c / 2) for x, c in zip(lines, solved)
-                                             if c < 2], "the filter must keep exactly the unsolved, with pass rates"
+    unsolved = [dict(json.loads(x), pass_rate=c / 2) for x, c in zip(lines, solved) if c < 2]
+    assert [json.loads(x) for x in hard] == unsolved, "exactly the unsolved, with pass rates"
     assert 0 < len(hard), "the toy model should leave some problems unsolved 2/2"
 
     printed = []
