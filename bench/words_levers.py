@@ -55,6 +55,9 @@ SFT_ARMS = {
     "epoch": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "75"]),
     # the problem's numbers listed first: RL learned how often to write a second step, not when
     "counted": (["--style", "counted", "--error-share", "0.1"], ["--max-steps", "24"]),
+    # the same list, at the end of the question: a cue the policy reads but cannot rewrite
+    "numbers in question": (["--style", "stepwise", "--error-share", "0.1", "--numbers-in-question"],
+                            ["--max-steps", "24"]),
 }
 # An RL arm: its train.py flags over RL's (a later flag wins).
 RL_ARMS = {
@@ -122,6 +125,21 @@ def folder(arm: str) -> str:
     return f"{OUT}/{arm.replace(' ', '_').replace('%', '').replace('.', '')}"
 
 
+def problems_of(sft_arm: str) -> tuple[str, str]:
+    """(RL problems, the 300 to evaluate on) for an SFT arm and the RL arms from it: its own files when
+    its questions carry the cue, the same problems in the same order, so the gains stay paired."""
+    if "--numbers-in-question" not in SFT_ARMS[sft_arm][0]:
+        return "data/mawps/train.jsonl", slice_file
+    data = f"{folder(sft_arm)}/data"
+    with open(f"{data}/train.jsonl") as f:
+        mine = [json.loads(line) for line in f]
+    cut = ProblemStream(mine, seed=0).take(len(mine) - 300, 300)
+    assert [(p["answer"], p["steps"]) for p in cut] == [(p["answer"], p["steps"]) for p in last300]
+    with open(f"{data}/train_last300.jsonl", "w") as f:  # (the same name: report.py pairs by it)
+        f.writelines(json.dumps(p) + "\n" for p in cut)
+    return f"{data}/train.jsonl", f"{data}/train_last300.jsonl"
+
+
 columns = {}
 for arm in arms:
     if arm in SFT_ARMS:
@@ -130,15 +148,20 @@ for arm in arms:
         run(["data/prepare_mawps.py", "--csv", MAWPS, "--out", data, *prepare], f"{data}/sft.jsonl")
         run(["sft.py", "--model", SMOL, "--data", f"{data}/sft.jsonl", "--out-dir", model, *SFT, *sft],
             f"{model}/model.safetensors")
+        evaluated = problems_of(arm)[1]
     else:
         start, model = f"{folder(args.rl_from)}/sft", f"{folder(arm)}/final"
         if not os.path.exists(f"{start}/model.safetensors"):
             sys.exit(f"words_levers: the RL arms start from {start}, which is not there\n"
                      f"---> HINT: run the SFT arm first: --arms \"{args.rl_from}\"")
-        run(["train.py", "--model", start, "--data", "data/mawps/train.jsonl", "--out-dir", folder(arm), *RL,
+        rl_problems, evaluated = problems_of(args.rl_from)
+        if "--data" in RL_ARMS[arm] and rl_problems != "data/mawps/train.jsonl":
+            sys.exit(f"words_levers: {arm} brings its own problems, without {args.rl_from}'s cue\n"
+                     f"---> HINT: from {args.rl_from}, run the RL arms that keep the problems (RL base)")
+        run(["train.py", "--model", start, "--data", rl_problems, "--out-dir", folder(arm), *RL,
              *RL_ARMS[arm]], f"{model}/config.json")
     columns[arm] = f"{folder(arm)}/eval"
-    run(["eval.py", "--model", model, "--out-dir", columns[arm], "--benchmarks", slice_file, "--n", "2",
+    run(["eval.py", "--model", model, "--out-dir", columns[arm], "--benchmarks", evaluated, "--n", "2",
          "--max-response", "384", "--kv-cache-tokens", "65536", "--max-turns", "6"],
         f"{columns[arm]}/table.json")
 

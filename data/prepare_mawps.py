@@ -10,6 +10,8 @@ What it writes into --out, deterministically from --seed:
 2. sft.jsonl: --n-sft conversations {"messages"} in the rollout's format, each built from an equation:
    - the question as people read it: numbers put back, the tokenization undone (`books in total ?` ->
      `books in total?`, `$ 5` -> `$5`); lower-cased problems stay lower-cased, as published;
+     with --numbers-in-question, every question in the three files ends with its numbers listed
+     ("... each? (The numbers: 15, 6 and 7.)");
    - --style stepwise (the default): a reasoning that states each operation on numbers and its
      value, every operation a step of one shape ("First, 15 - 6 = 9. Then, 9 * 7 = 63."), and a call
      whose code repeats it (`step1 = 15 - 6`, `step2 = step1 * 7`, `print(step2)`): the answer is what
@@ -133,10 +135,16 @@ def asked_noun(ask: str) -> str:
     return ""
 
 
-def convert(record: dict, style: str = "stepwise") -> tuple[str, str, list[tuple[str, str, str]], str, int]:
+def said(numbers: list[str]) -> str:
+    """A problem's numbers as a sentence lists them: "9, 27 and 20"."""
+    listed = [number_text(n) for n in numbers]
+    return " and ".join([", ".join(listed[:-1]), listed[-1]] if len(listed) > 1 else listed)
+
+
+def convert(record: dict, style: str = "stepwise", cue: bool = False) -> tuple[str, str, list, str, int]:
     """(question, reasoning, chain of steps for chains.chain_code, answer, operations) of one record,
     in the stepwise or formulaic style (each operation on numbers) or the named one (each quantity a
-    name)."""
+    name); with cue, the question ends with its numbers listed, a count the policy cannot rewrite."""
     numbers = record["Numbers"].split()
     tree = parse_prefix(record["Equation"])
     leaves, operations = [], []
@@ -150,6 +158,8 @@ def convert(record: dict, style: str = "stepwise") -> tuple[str, str, list[tuple
         operations.append(node)
     walk(tree)
     question, answer = detokenize(unmask(record["Question"], numbers)), number_text(record["Answer"])
+    if cue:
+        question = f"{question} (The numbers: {said(numbers)}.)"
 
     def value_of(node):
         if isinstance(node, str):
@@ -165,9 +175,7 @@ def convert(record: dict, style: str = "stepwise") -> tuple[str, str, list[tuple
         reasoning, steps = formulaic([(f"{shown(op[1])} {op[0]} {shown(op[2])}", shown(op))
                                       for op in operations], stepwise=style != "formulaic")
         if style == "counted":  # two numbers take one operation in 629 of 630 problems, three take two in 79%
-            listed = [number_text(n) for n in numbers]
-            said = " and ".join([", ".join(listed[:-1]), listed[-1]] if len(listed) > 1 else listed)
-            reasoning = f"The numbers are {said}. {reasoning}"
+            reasoning = f"The numbers are {said(numbers)}. {reasoning}"
         return question, reasoning, steps, answer, len(operations)
     names = leaf_names(record["Question"], numbers, leaves)
     steps = [(names[leaf], number_text(numbers[int(leaf[6:])]), number_text(numbers[int(leaf[6:])]))
@@ -226,6 +234,9 @@ def main():
     parser.add_argument("--error-share", type=float, default=0.1, help="share of SFT conversations whose "
                         "first call fails and is fixed (a quarter was 4.3 points worse on training "
                         "problems: docs/words.md)")
+    parser.add_argument("--numbers-in-question", action="store_true",
+                        help="end every question (held-out, RL and SFT alike) with its numbers listed, a cue "
+                             "for a second operation that RL cannot rewrite (docs/words.md)")
     parser.add_argument("--multi-share", type=float, default=0.0,
                         help="repeat SFT conversations of two or more operations until they are this share "
                              "of sft.jsonl (0: as drawn)")
@@ -245,7 +256,7 @@ def main():
     counts, rng, converted = Counter(), random.Random(args.seed + 1), []
     for record in records:
         try:
-            question, reasoning, steps, answer, operations = convert(record, args.style)
+            question, reasoning, steps, answer, operations = convert(record, args.style, args.numbers_in_question)
             code = chain_code(steps)
         except (Skip, ValueError, ZeroDivisionError) as e:
             counts[str(e) if isinstance(e, Skip) else "an equation that does not compute"] += 1

@@ -120,6 +120,14 @@ def test_the_counted_style_lists_the_problems_numbers_before_the_steps():
     assert reasoning == "The numbers are 9, 27 and 20. First, 9 + 27 = 36. Then, 36 - 20 = 16."
 
 
+def test_the_cue_ends_the_question_with_its_numbers_and_changes_nothing_else():
+    question, reasoning, steps, answer, operations = convert(DAVE, "stepwise", cue=True)
+    assert question.endswith("? (The numbers: 9, 27 and 20.)")
+    assert (question.removesuffix(" (The numbers: 9, 27 and 20.)"), reasoning, steps, answer, operations) == \
+        convert(DAVE, "stepwise")
+    assert convert(BRYAN, "stepwise", cue=True)[0].endswith("? (The numbers: 56 and 9.)")
+
+
 def test_names_come_from_the_words_next_to_each_number():
     assert leaf_names(BRYAN["Question"], BRYAN["Numbers"].split(), ["number0", "number1"]) == \
         {"number0": "books", "number1": "bookshelves"}, "a name stops at a filler word (books in each)"
