@@ -165,9 +165,26 @@ for arm in arms:
          "--max-response", "384", "--kv-cache-tokens", "65536", "--max-turns", "6"],
         f"{columns[arm]}/table.json")
 
+
+
+def second_step(eval_dir: str) -> tuple[float, float, float]:
+    """How often an arm's samples write a second operation ("Then," in the reasoning, step2 in the
+    code) on one- and on two-operation problems, and how often a two-operation sample that does is right."""
+    with open(slice_file) as f:
+        steps = [min(2, json.loads(line).get("steps", 1)) for line in f]
+    written = {1: [], 2: []}
+    with open(f"{eval_dir}/samples.jsonl") as f:
+        for sample in map(json.loads, f):
+            text = sample["text"]
+            written[steps[sample["problem"]]].append(("Then," in text or "step2" in text, sample["correct"]))
+    right = [correct for wrote, correct in written[2] if wrote]
+    return (statistics.mean(w for w, _ in written[1]), statistics.mean(w for w, _ in written[2]),
+            statistics.mean(right) if right else float("nan"))
+
+
 report.print_table(columns, 2, slice_file)
-print(f"\n{'arm':14} {'minutes':>8} {'s/step':>7} {'avg@2':>6} {'1 op':>6} {'2+ ops':>7} {'failing':>8} "
-      f"{'cut off':>8} {'tokens':>7}")
+print(f"\n{'arm':20} {'minutes':>8} {'s/step':>7} {'avg@2':>6} {'1 op':>6} {'2+ ops':>7} {'failing':>8} "
+      f"{'cut off':>8} {'tokens':>7} {'2nd op, 1 op':>13} {'2+ ops':>7} {'right':>6}")
 for arm, eval_dir in columns.items():
     if not os.path.exists(f"{eval_dir}/table.json"):
         continue
@@ -180,6 +197,8 @@ for arm, eval_dir in columns.items():
     with open(f"{eval_dir}/samples.jsonl") as f:
         cut = statistics.mean(s["finish_reason"] == "length" for s in map(json.loads, f))
     ops = report.accuracy_by_operations(eval_dir, slice_file)
-    print(f"{arm:14} {sum(seconds) / 60:8.1f} {statistics.mean(seconds):7.1f} "
+    wrote_one, wrote_two, right_two = second_step(eval_dir)
+    print(f"{arm:20} {sum(seconds) / 60:8.1f} {statistics.mean(seconds):7.1f} "
           f"{100 * table['avg_pass@1']:6.1f} {100 * ops[1]:6.1f} {100 * ops[2]:7.1f} "
-          f"{100 * table['tool_error_ratio']:8.1f} {100 * cut:8.1f} {table['response_length']:7.0f}")
+          f"{100 * table['tool_error_ratio']:8.1f} {100 * cut:8.1f} {table['response_length']:7.0f} "
+          f"{100 * wrote_one:12.0f}% {100 * wrote_two:6.0f}% {100 * right_two:5.0f}%")
