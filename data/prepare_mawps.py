@@ -256,7 +256,8 @@ def main():
     counts, rng, converted = Counter(), random.Random(args.seed + 1), []
     for record in records:
         try:
-            question, reasoning, steps, answer, operations = convert(record, args.style, args.numbers_in_question)
+            cue = args.numbers_in_question
+            question, reasoning, steps, answer, operations = convert(record, args.style, cue)
             code = chain_code(steps)
         except (Skip, ValueError, ZeroDivisionError) as e:
             counts[str(e) if isinstance(e, Skip) else "an equation that does not compute"] += 1
