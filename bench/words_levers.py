@@ -167,24 +167,31 @@ for arm in arms:
 
 
 
-def second_step(eval_dir: str) -> tuple[float, float, float]:
+def second_step(eval_dir: str) -> tuple[float, float, float, float]:
     """How often an arm's samples write a second operation ("Then," in the reasoning, step2 in the
-    code) on one- and on two-operation problems, and how often a two-operation sample that does is right."""
+    code) on one- and on two-operation problems; how often a two-operation sample that does is right;
+    and the share of two-operation problems at which RL's pulls on that habit cancel. The pull of a
+    choice made with probability p is p (1 - p) (right when made - right when not)."""
     with open(slice_file) as f:
         steps = [min(2, json.loads(line).get("steps", 1)) for line in f]
-    written = {1: [], 2: []}
+    samples = {1: [], 2: []}
     with open(f"{eval_dir}/samples.jsonl") as f:
         for sample in map(json.loads, f):
             text = sample["text"]
-            written[steps[sample["problem"]]].append(("Then," in text or "step2" in text, sample["correct"]))
-    right = [correct for wrote, correct in written[2] if wrote]
-    return (statistics.mean(w for w, _ in written[1]), statistics.mean(w for w, _ in written[2]),
-            statistics.mean(right) if right else float("nan"))
+            samples[steps[sample["problem"]]].append(("Then," in text or "step2" in text, sample["correct"]))
+
+    def right(kind, wrote):
+        return statistics.mean([c for w, c in samples[kind] if w == wrote] or [float("nan")])
+    written = {kind: statistics.mean(w for w, _ in samples[kind]) for kind in (1, 2)}
+    pull = {kind: written[kind] * (1 - written[kind]) * (right(kind, True) - right(kind, False))
+            for kind in (1, 2)}
+    balance = pull[1] / (pull[1] - pull[2]) if pull[1] < 0 < pull[2] else float("nan")
+    return written[1], written[2], right(2, True), balance
 
 
 report.print_table(columns, 2, slice_file)
 print(f"\n{'arm':20} {'minutes':>8} {'s/step':>7} {'avg@2':>6} {'1 op':>6} {'2+ ops':>7} {'failing':>8} "
-      f"{'cut off':>8} {'tokens':>7} {'2nd op, 1 op':>13} {'2+ ops':>7} {'right':>6}")
+      f"{'cut off':>8} {'tokens':>7} {'2nd op, 1 op':>13} {'2+ ops':>7} {'right':>6} {'balance':>8}")
 for arm, eval_dir in columns.items():
     if not os.path.exists(f"{eval_dir}/table.json"):
         continue
@@ -197,8 +204,8 @@ for arm, eval_dir in columns.items():
     with open(f"{eval_dir}/samples.jsonl") as f:
         cut = statistics.mean(s["finish_reason"] == "length" for s in map(json.loads, f))
     ops = report.accuracy_by_operations(eval_dir, slice_file)
-    wrote_one, wrote_two, right_two = second_step(eval_dir)
+    wrote_one, wrote_two, right_two, balance = second_step(eval_dir)
     print(f"{arm:20} {sum(seconds) / 60:8.1f} {statistics.mean(seconds):7.1f} "
           f"{100 * table['avg_pass@1']:6.1f} {100 * ops[1]:6.1f} {100 * ops[2]:7.1f} "
           f"{100 * table['tool_error_ratio']:8.1f} {100 * cut:8.1f} {table['response_length']:7.0f} "
-          f"{100 * wrote_one:12.0f}% {100 * wrote_two:6.0f}% {100 * right_two:5.0f}%")
+          f"{100 * wrote_one:12.0f}% {100 * wrote_two:6.0f}% {100 * right_two:5.0f}% {100 * balance:7.0f}%")
