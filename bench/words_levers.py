@@ -71,6 +71,8 @@ RL_ARMS = {
     "RL two ops half": ["--data", f"{OUT}/train_two_ops_half.jsonl"],
     # the same, held near the SFT model (k3 to it), whose samples write the second operation
     "RL two ops half KL": ["--data", f"{OUT}/train_two_ops_half.jsonl", "--kl-coef", "0.05"],
+    # the share at which the stepwise model's pulls on its second step cancel (the table's balance)
+    "RL two ops 72%": ["--data", f"{OUT}/train_two_ops_72.jsonl"],
     # no one-operation problem, so no rollout is punished for writing a second operation
     "RL two ops only": ["--data", f"{OUT}/train_two_ops_only.jsonl"],
 }
@@ -110,9 +112,10 @@ with open(slice_file, "w") as f:
 held = {p["question"] for p in last300}
 rest = [p for p in problems if p["question"] not in held]
 multi = [p for p in rest if p.get("steps", 1) > 1]
-with open(f"{OUT}/train_two_ops_half.jsonl", "w") as f:
-    extra = random.Random(0).choices(multi, k=max(0, len(rest) - 2 * len(multi)))
-    f.writelines(json.dumps(p) + "\n" for p in rest + extra)
+for name, share in (("half", 0.5), ("72", 0.72)):  # two-operation problems repeated to this share
+    with open(f"{OUT}/train_two_ops_{name}.jsonl", "w") as f:
+        repeats = round(share * (len(rest) - len(multi)) / (1 - share)) - len(multi)
+        f.writelines(json.dumps(p) + "\n" for p in rest + random.Random(0).choices(multi, k=max(0, repeats)))
 with open(f"{OUT}/train_two_ops_only.jsonl", "w") as f:
     f.writelines(json.dumps(p) + "\n" for p in multi)
 
