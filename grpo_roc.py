@@ -5,7 +5,8 @@ What this file does (paper §2.2.3, Eq. 4-7) and where it departs from the paper
 
 1. Penalties of a correct rollout. p_err = failed tool calls / tool calls, 0.5 without a call (to
    encourage tool use), counted from the sandbox's status, not the output's text. p_format = 1 without
-   an <answer>, else min(1, (#answers - 1) / #turns), counting every assistant turn.
+   an <answer> or with unmatched answer tags (the official code's rule), else min(1, (#answers - 1) /
+   #turns), counting every assistant turn.
 2. Groups whose rewards are all equal are dropped: zero advantages, no gradient. No refill. The reward
    decides here, as in train.py's dynamic sampling; correctness decides (3) and (4), so a correct
    rollout that a shaped reward (rollout.reward) scores <= 0 is still a positive, as in the paper.
@@ -59,8 +60,9 @@ def tool_error_penalty(traj: Trajectory) -> float:
 
 
 def format_penalty(traj: Trajectory) -> float:
-    """1 without an <answer>, else min(1, (#answers - 1) / #turns)."""
-    if traj.num_answers == 0:
+    """1 without an <answer> or with unmatched answer tags (a run of </answer> after the answer), else
+    min(1, (#answers - 1) / #turns)."""
+    if traj.num_answers == 0 or not traj.answer_tags_match:
         return 1.0
     return min(1.0, (traj.num_answers - 1) / max(traj.num_turns, 1))
 

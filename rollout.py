@@ -39,6 +39,7 @@ class Trajectory:
     tool_calls: int = 0             # tool calls made (parse failures included)
     tool_failures: dict[str, int] = field(default_factory=dict)  # kind (FAILURE_KINDS) -> count
     num_answers: int = 0            # <answer> blocks the model wrote, over all turns
+    answer_tags_match: bool = True  # each turn closes as many answers as it opens (RoC's format penalty)
     void_turns: int = 0             # turns that ended with neither a tool call nor an answer
     answer: str | None = None       # the extracted \boxed{} answer, None if there is none
     gold: str = ""                  # the reference answer
@@ -204,6 +205,7 @@ def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], toke
     text = tokenizer.decode(token_ids)
     traj.text += text
     traj.num_answers += text.count("<answer>")  # GRPO-RoC's format penalty counts repeated answers
+    traj.answer_tags_match &= text.count("<answer>") == text.count("</answer>")
     traj.answer = extract_answer(text) or traj.answer  # the model's last answer counts
     call = parse_tool_call(text, cfg.tools)
     ended = bool(token_ids) and token_ids[-1] in end_of_turn_ids(tokenizer, cfg)

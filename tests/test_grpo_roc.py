@@ -55,6 +55,9 @@ def test_format_penalty_golden_values():
     assert format_penalty(traj(1, answers=3, turns=2)) == 1.0, "format penalty not capped at 1"
     assert format_penalty(traj(1, answers=1, turns=1)) == 0.0, \
         "a one-turn answer was penalised (official code's uncounted first turn)"
+    closed_twice = traj(1, answers=1, turns=2)
+    closed_twice.answer_tags_match = False  # "<answer>\boxed{3}</answer></answer>": the official code's 1
+    assert format_penalty(closed_twice) == 1.0, "a run of </answer> after the answer went unpenalised"
 
 
 # ----------------------------------------------------------------------------- down-sampling

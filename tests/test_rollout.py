@@ -66,6 +66,15 @@ def test_every_answer_block_is_counted_and_the_last_answer_counts(tok):
     assert (traj.num_answers, traj.answer) == (2, "408"), "GRPO-RoC's format penalty needs every <answer> counted"
 
 
+def test_answer_tags_that_do_not_pair_up_are_marked_for_the_format_penalty(tok):
+    traj = fresh(tok)  # what RL taught SmolLM2-135M once (docs/words.md): the answer, then a run of </answer>
+    turn(tok, traj, "</reason><answer>\\boxed{12}</answer></answer></answer></tool_call>" + IM_END, RolloutConfig())
+    assert (traj.answer, traj.num_answers, traj.answer_tags_match) == ("12", 1, False)
+    clean = fresh(tok)
+    turn(tok, clean, "</reason><answer>\\boxed{12}</answer>" + IM_END, RolloutConfig())
+    assert clean.answer_tags_match
+
+
 def test_turn_without_call_or_answer_is_no_tool_call(tok):
     traj = fresh(tok)
     assert turn(tok, traj, "I do not know.</reason>" + IM_END, RolloutConfig()) is None
