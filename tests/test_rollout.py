@@ -68,7 +68,8 @@ def test_every_answer_block_is_counted_and_the_last_answer_counts(tok):
 
 def test_answer_tags_that_do_not_pair_up_are_marked_for_the_format_penalty(tok):
     traj = fresh(tok)  # what RL taught SmolLM2-135M once (docs/words.md): the answer, then a run of </answer>
-    turn(tok, traj, "</reason><answer>\\boxed{12}</answer></answer></answer></tool_call>" + IM_END, RolloutConfig())
+    text = "</reason><answer>\\boxed{12}</answer></answer></answer></tool_call>"
+    turn(tok, traj, text + IM_END, RolloutConfig())
     assert (traj.answer, traj.num_answers, traj.answer_tags_match) == ("12", 1, False)
     clean = fresh(tok)
     turn(tok, clean, "</reason><answer>\\boxed{12}</answer>" + IM_END, RolloutConfig())
