@@ -169,7 +169,6 @@ for arm in arms:
         f"{columns[arm]}/table.json")
 
 
-
 def second_step(eval_dir: str) -> tuple[float, float, float, float]:
     """How often an arm's samples write a second operation ("Then," in the reasoning, step2 in the
     code) on one- and on two-operation problems; how often a two-operation sample that does is right;

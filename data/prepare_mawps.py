@@ -254,9 +254,9 @@ def main():
     random.Random(args.seed).shuffle(records)
 
     counts, rng, converted = Counter(), random.Random(args.seed + 1), []
+    cue = args.numbers_in_question
     for record in records:
         try:
-            cue = args.numbers_in_question
             question, reasoning, steps, answer, operations = convert(record, args.style, cue)
             code = chain_code(steps)
         except (Skip, ValueError, ZeroDivisionError) as e:
