@@ -54,9 +54,10 @@ def paired_gain(base_folder: str, folder: str, only=None) -> tuple[float, float,
     return statistics.mean(gains), statistics.stdev(gains) / len(gains) ** 0.5, len(gains)
 
 
-def print_table(columns: dict, n: int, benchmark_file: str | None = None):
-    """The held-out table, a column per evaluation that exists, then each one's gain over the first;
-    with the benchmark's file (its problems' "steps"), a row per number of operations too."""
+def print_table(columns: dict, n: int, benchmark_file: str | None = None, problems: str = "held-out"):
+    """The table, a column per evaluation that exists, then each one's gain over the first; with the
+    benchmark's file (its problems' "steps"), a row per number of operations too. `problems` names what
+    was evaluated: held-out problems, or training problems where levers are chosen."""
     tables = {}
     for name, folder in columns.items():
         if os.path.exists(os.path.join(folder, "table.json")):
@@ -65,7 +66,7 @@ def print_table(columns: dict, n: int, benchmark_file: str | None = None):
     if not tables:
         return
     first = next(iter(tables))
-    print(f"\nheld-out problems: {tables[first]['problems']} x {n} samples, temperature 0.6\n")
+    print(f"\n{problems} problems: {tables[first]['problems']} x {n} samples, temperature 0.6\n")
     print(f"{'':32}" + "".join(f"{name:>14}" for name in tables))
     print(f"{'problems':32}" + "".join(f"{t['problems']:14d}" for t in tables.values()))
     for label, key, scale in ROWS:
@@ -76,7 +77,7 @@ def print_table(columns: dict, n: int, benchmark_file: str | None = None):
         for k, label in ((1, "one operation (avg@{n}, %)"), (2, "two or more (avg@{n}, %)")):
             cells = [100 * ops.get(k, float("nan")) for ops in by_operations]
             print(f"{label.format(n=n):32}" + "".join(f"{cell:14.1f}" for cell in cells))
-    subsets = [(None, "held-out accuracy")]
+    subsets = [(None, f"{problems} accuracy")]
     if benchmark_file:
         with open(benchmark_file) as f:
             multi = {i for i, line in enumerate(f) if json.loads(line).get("steps", 1) > 1}

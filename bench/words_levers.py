@@ -191,7 +191,7 @@ def second_step(eval_dir: str) -> tuple[float, float, float, float]:
     return written[1], written[2], right(2, True), balance
 
 
-report.print_table(columns, 2, slice_file)
+report.print_table(columns, 2, slice_file, problems="training")
 print(f"\n{'arm':20} {'minutes':>8} {'s/step':>7} {'avg@2':>6} {'1 op':>6} {'2+ ops':>7} {'failing':>8} "
       f"{'cut off':>8} {'tokens':>7} {'2nd op, 1 op':>13} {'2+ ops':>7} {'right':>6} {'balance':>8}")
 for arm, eval_dir in columns.items():

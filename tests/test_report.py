@@ -61,6 +61,11 @@ def test_a_paired_gain_over_some_problems_pairs_those_alone(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "RL: two or more operations +75.0 points over the SFT model (paired standard error 25.0 over 2" \
         in printed, printed
+    assert printed.startswith("\nheld-out problems: 3 x 2 samples") and "RL: held-out accuracy +16.7" in printed
+    print_table({"SFT": base, "RL": after}, 2, str(benchmark), problems="training")  # (bench/words_levers.py)
+    printed = capsys.readouterr().out
+    assert printed.startswith("\ntraining problems: 3 x 2") and "RL: training accuracy +16.7" in printed, \
+        "problems chosen on are not called held out"
 
 
 def test_the_curves_plot_a_run_whose_metrics_lack_a_panels_key(tmp_path, capsys):
