@@ -14,13 +14,15 @@ demo.py evaluates (temperature 0.6, 384 tokens, T = 6), with 2 samples, on the l
 data/mawps/train.jsonl in train.py's data order (seed 0, first epoch): RL problems, never SFT ones, and
 not drawn by an RL run of fewer than 850 problems. So the recipe is chosen without the held-out
 problems. The table gives each arm's accuracy on problems of one operation and of two or more apart, its
-failing calls and lengths, and (report.py's table) its paired gain over the first arm listed. A finished
-arm is skipped.
+failing calls and lengths, how often the sums its reasoning writes are right, and (report.py's table)
+its paired gain over the first arm listed. A finished arm is skipped.
 """
 import argparse
 import json
+import operator
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -191,9 +193,26 @@ def second_step(eval_dir: str) -> tuple[float, float, float, float]:
     return written[1], written[2], right(2, True), balance
 
 
+SUM = re.compile(r"(\d+(?:\.\d+)?) ([-+*/]) (\d+(?:\.\d+)?) = (-?\d+(?:\.\d+)?)")  # "15 - 6 = 9"
+OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def sums_right(eval_dir: str) -> float:
+    """The share of the sums an arm's samples write in their reasoning ("First, 15 - 6 = 9.") whose
+    value is right. The reward reads the code's output, never these values, so RL is free to change them."""
+    right = []
+    with open(f"{eval_dir}/samples.jsonl") as f:
+        for sample in map(json.loads, f):
+            for a, op, b, value in SUM.findall(sample["text"].split("</reason>")[0]):
+                if op != "/" or float(b):
+                    right.append(abs(OPERATORS[op](float(a), float(b)) - float(value)) < 1e-6)
+    return statistics.mean(right or [float("nan")])
+
+
 report.print_table(columns, 2, slice_file, problems="training")
 print(f"\n{'arm':20} {'minutes':>8} {'s/step':>7} {'avg@2':>6} {'1 op':>6} {'2+ ops':>7} {'failing':>8} "
-      f"{'cut off':>8} {'tokens':>7} {'2nd op, 1 op':>13} {'2+ ops':>7} {'right':>6} {'balance':>8}")
+      f"{'cut off':>8} {'tokens':>7} {'2nd op, 1 op':>13} {'2+ ops':>7} {'right':>6} {'balance':>8} "
+      f"{'sums right':>11}")
 for arm, eval_dir in columns.items():
     if not os.path.exists(f"{eval_dir}/table.json"):
         continue
@@ -210,4 +229,5 @@ for arm, eval_dir in columns.items():
     print(f"{arm:20} {sum(seconds) / 60:8.1f} {statistics.mean(seconds):7.1f} "
           f"{100 * table['avg_pass@1']:6.1f} {100 * ops[1]:6.1f} {100 * ops[2]:7.1f} "
           f"{100 * table['tool_error_ratio']:8.1f} {100 * cut:8.1f} {table['response_length']:7.0f} "
-          f"{100 * wrote_one:12.0f}% {100 * wrote_two:6.0f}% {100 * right_two:5.0f}% {100 * balance:7.0f}%")
+          f"{100 * wrote_one:12.0f}% {100 * wrote_two:6.0f}% {100 * right_two:5.0f}% {100 * balance:7.0f}% "
+          f"{100 * sums_right(eval_dir):10.0f}%")
