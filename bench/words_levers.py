@@ -53,6 +53,8 @@ SFT_ARMS = {
     "stepwise": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "24"]),
     "errors 0%": (["--style", "stepwise", "--error-share", "0"], ["--max-steps", "24"]),
     "48 steps": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "48"]),
+    # stepwise's code lines as the reasoning: RL changed the sums no reward reads (docs/words.md)
+    "symbolic 48": (["--style", "symbolic", "--error-share", "0.1"], ["--max-steps", "48"]),
     "lr 4e-4": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "24", "--lr", "4e-4"]),
     "epoch": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "75"]),
     # the problem's numbers listed first: RL learned how often to write a second step, not when

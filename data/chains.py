@@ -8,8 +8,10 @@ the styles (--style in both scripts), and then the rest:
    -> clips_in_may), unique in the chain; the reasoning says in words what combines and why;
    formulaic: the reasoning states each operation on numbers and its value ("First, 15 - 6 = 9. So
    the answer is 9 * 7 = 63.") and the code repeats it (`step1 = 15 - 6`, `answer = step1 * 7`);
-   stepwise: the same, every operation a step ("First, 15 - 6 = 9. Then, 9 * 7 = 63.").
-   A 135M model copies the last two far better (docs/words.md: "Named or formulaic");
+   stepwise: the same, every operation a step ("First, 15 - 6 = 9. Then, 9 * 7 = 63.");
+   symbolic: stepwise's steps without their values, the code's own lines ("First, step1 = 15 - 6.
+   Then, step2 = step1 * 7."), so that every token of the reasoning is one the answer depends on.
+   A 135M model copies the last three far better (docs/words.md: "Named or formulaic");
 2. chain_code: the code of the chain, each step a named line, a number that an earlier step computed
    used by that step's name, the last result printed;
 3. broken_code: a first call that fails (an unclosed parenthesis, or a name never defined), which
@@ -122,6 +124,14 @@ def by_name(node: ast.AST, known: list) -> ast.AST:
                     return ast.Name(id=name, ctx=ast.Load())
             return constant
     return Rename().visit(node)
+
+
+def symbolic(steps: list[tuple[str, str, str]]) -> str:
+    """The symbolic style's reasoning: chain_code's lines as sentences, an earlier result by its step's
+    name and no value written. The reward reads only what the code prints, so RL was free to change the
+    sums a reasoning wrote, and did: after RL most of them were wrong (docs/words.md)."""
+    lines = chain_code(steps).splitlines()[:-1]  # (not the print)
+    return " ".join(f"{'Then,' if i else 'First,'} {line}." for i, line in enumerate(lines))
 
 
 def broken_code(code: str, rng: random.Random) -> str:

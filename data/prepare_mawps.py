@@ -18,6 +18,8 @@ What it writes into --out, deterministically from --seed:
      the code prints; --style formulaic: the last operation is the answer's own sentence ("So the
      answer is 9 * 7 = 63."; `answer = step1 * 7`); --style counted: stepwise after a sentence that
      lists the problem's numbers ("The numbers are 15, 6 and 7."), the cue for a second operation;
+     --style symbolic: stepwise's code lines as the reasoning, no value written ("First, step1 =
+     15 - 6. Then, step2 = step1 * 7.");
      --style named: a reasoning in words (which quantities combine and why, never the result), and
      code that names each quantity from the problem's words (`books = 56`, `bookshelves = 9`,
      `total_books = books * bookshelves`);
@@ -40,7 +42,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from chains import (Skip, chain_code, conversations, formulaic, plan_calls, quantity_name,  # noqa: E402
-                    write_sets)
+                    symbolic, write_sets)
 
 CSV = "../shared/data/mawps_asdiv/train.csv"
 MASK = re.compile(r"\bnumber(\d+)\b")
@@ -167,7 +169,7 @@ def convert(record: dict, style: str = "stepwise", cue: bool = False) -> tuple[s
         a, b = value_of(node[1]), value_of(node[2])
         return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else float("nan")}[node[0]]
 
-    if style in ("formulaic", "stepwise", "counted"):  # a number as printed, a result by its value
+    if style in ("formulaic", "stepwise", "counted", "symbolic"):  # a number as printed, a result by its value
         def shown(node):
             if isinstance(node, str):
                 return number_text(numbers[int(node[6:])])
@@ -176,6 +178,8 @@ def convert(record: dict, style: str = "stepwise", cue: bool = False) -> tuple[s
                                       for op in operations], stepwise=style != "formulaic")
         if style == "counted":  # two numbers take one operation in 629 of 630 problems, three take two in 79%
             reasoning = f"The numbers are {said(numbers)}. {reasoning}"
+        if style == "symbolic":
+            reasoning = symbolic(steps)
         return question, reasoning, steps, answer, len(operations)
     names = leaf_names(record["Question"], numbers, leaves)
     steps = [(names[leaf], number_text(numbers[int(leaf[6:])]), number_text(numbers[int(leaf[6:])]))
@@ -226,11 +230,12 @@ def main():
     parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
     parser.add_argument("--n-sft", type=int, default=1200,
                         help="problems whose equations become SFT conversations")
-    parser.add_argument("--style", choices=["stepwise", "formulaic", "named", "counted"], default="stepwise",
+    parser.add_argument("--style", choices=["stepwise", "formulaic", "named", "counted", "symbolic"], default="stepwise",
                         help="stepwise: each operation on numbers, a step in the reasoning and the code "
                              "(6.7 points over formulaic on training problems: docs/words.md); formulaic: "
                              "the last step the answer's sentence; named: each quantity a Python name from "
-                             "the problem's words; counted: stepwise after the problem's numbers listed")
+                             "the problem's words; counted: stepwise after the problem's numbers listed; "
+                             "symbolic: stepwise's code lines as the reasoning, no value written")
     parser.add_argument("--error-share", type=float, default=0.1, help="share of SFT conversations whose "
                         "first call fails and is fixed (a quarter was 4.3 points worse on training "
                         "problems: docs/words.md)")

@@ -112,6 +112,17 @@ def test_the_stepwise_style_makes_every_operation_a_step_and_leaves_the_answer_t
     assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
 
 
+def test_the_symbolic_style_writes_the_codes_lines_as_its_reasoning_and_no_value(sandbox):
+    _, reasoning, steps, answer, _ = convert(BRYAN, "symbolic")
+    assert reasoning == "First, step1 = 56 * 9.", "no 504: the value is the code's to compute"
+    assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)"
+    _, reasoning, steps, answer, _ = convert(CONNER, "symbolic")
+    assert reasoning == "First, step1 = 1500 * 8. Then, step2 = 25000 - step1.", "an earlier result by name"
+    code = chain_code(steps)
+    assert code == "step1 = 1500 * 8\nstep2 = 25000 - step1\nprint(step2)", "the reasoning's lines, printed"
+    assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
+
+
 def test_the_counted_style_lists_the_problems_numbers_before_the_steps():
     _, reasoning, steps, _, _ = convert(BRYAN, "counted")
     assert reasoning == "The numbers are 56 and 9. First, 56 * 9 = 504."
