@@ -129,7 +129,8 @@ def by_name(node: ast.AST, known: list) -> ast.AST:
 def symbolic(steps: list[tuple[str, str, str]]) -> str:
     """The symbolic style's reasoning: chain_code's lines as sentences, an earlier result by its step's
     name and no value written. The reward reads only what the code prints, so RL was free to change the
-    sums a reasoning wrote, and did: after RL most of them were wrong (docs/words.md)."""
+    sums a reasoning wrote, and did: after RL most of them were wrong. Measured, the values help more than
+    they cost: 10.5 points below stepwise after SFT, and RL then drops the second step (docs/words.md)."""
     lines = chain_code(steps).splitlines()[:-1]  # (not the print)
     return " ".join(f"{'Then,' if i else 'First,'} {line}." for i, line in enumerate(lines))
 
