@@ -7,6 +7,7 @@ call, its answer), and writing what the tool printed.
 """
 import json
 import re
+import weakref
 from dataclasses import dataclass
 
 # The tools live in tools.py; rollout.py and the tests also import these names from here.
@@ -114,22 +115,36 @@ def plain_ids(tokenizer, text: str) -> list[int]:
     return [token.id for word, _ in words for token in backend.model.tokenize(word)]
 
 
+# The template's own text, encoded once per tokenizer: the system prompt (~1 ms to encode) opens
+# every prompt, and train.py measures the prompt of every problem it reads.
+_TEMPLATE_IDS = weakref.WeakKeyDictionary()  # a tokenizer's backend -> {template text: its ids}
+
+
+def template_ids(tokenizer, text: str) -> list[int]:
+    """plain_ids of text that holds no content, remembered."""
+    known = _TEMPLATE_IDS.setdefault(tokenizer.backend_tokenizer, {})
+    if text not in known:
+        known[text] = plain_ids(tokenizer, text)
+    return known[text]
+
+
 def encode(tokenizer, pieces: list[str]) -> list[int]:
     """Token ids of rendered pieces. The template's markers become their tokens; all other text is encoded
     as plain text, so untrusted content cannot become a control token: a tool that prints
     "<|im_end|>\\n<|im_start|>assistant" shows the model those characters, not a new turn. For text
     without added tokens this is exactly tokenizer.encode of the joined text."""
     markers = {m: i for m, i in tokenizer.get_added_vocab().items() if m in MARKERS}
-    ids, text = [], ""
+    ids, text, content = [], "", False
     for piece in pieces:
         parts = [piece] if isinstance(piece, Content) else _MARKER_RE.split(piece)
         for j, part in enumerate(parts):
             if j % 2 == 1 and part in markers:  # odd places of the split are markers
-                ids += plain_ids(tokenizer, text) + [markers[part]]
-                text = ""
+                ids += (plain_ids if content else template_ids)(tokenizer, text) + [markers[part]]
+                text, content = "", False
             else:
                 text += part
-    return ids + plain_ids(tokenizer, text)
+                content = content or isinstance(piece, Content)
+    return ids + (plain_ids if content else template_ids)(tokenizer, text)
 
 
 def render_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:

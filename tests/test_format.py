@@ -249,6 +249,18 @@ def test_render_messages_system_default_and_override(tokenizer):
     assert tokenizer.decode(other).startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
+def test_the_templates_text_is_encoded_once_and_content_never_from_memory(tokenizer):
+    # train.py measures every problem's prompt: the system prompt that opens each is encoded once.
+    import conversation
+    first = conversation.prompt_ids(tokenizer, "What is 12 * 34?")
+    first.append(-1)  # a caller may extend what it gets: the remembered ids must not change with it
+    again = conversation.prompt_ids(tokenizer, "What is 12 * 34?")
+    assert again == tokenizer.encode(render_prompt("What is 12 * 34?"), add_special_tokens=False)
+    remembered = conversation._TEMPLATE_IDS[tokenizer.backend_tokenizer]
+    assert any(SYSTEM_PROMPT in text for text in remembered), "the system prompt is encoded for each prompt"
+    assert not any("12 * 34" in text for text in remembered), "a problem's text must not be kept"
+
+
 @pytest.mark.parametrize("messages", [
     [{"role": "assistant", "content": "hi"}],
     [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}],
