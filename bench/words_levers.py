@@ -15,7 +15,8 @@ data/mawps/train.jsonl in train.py's data order (seed 0, first epoch): RL proble
 not drawn by an RL run of fewer than 850 problems. So the recipe is chosen without the held-out
 problems. The table gives each arm's accuracy on problems of one operation and of two or more apart, its
 failing calls and lengths, how often the sums its reasoning writes are right, and (report.py's table)
-its paired gain over the first arm listed. A finished arm is skipped.
+its paired gain over the first arm listed. An RL arm's earlier exports (--export-every, as "RL 24 steps"
+has) are evaluated too, a column each ("RL 24 steps @12"). A finished arm is skipped.
 """
 import argparse
 import json
@@ -55,7 +56,8 @@ SFT_ARMS = {
     "48 steps": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "48"]),
     # stepwise's code lines as the reasoning: RL changed the sums no reward reads (docs/words.md)
     "symbolic 48": (["--style", "symbolic", "--error-share", "0.1"], ["--max-steps", "48"]),
-    "lr 4e-4": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "24", "--lr", "4e-4"]),
+    # twice the learning rate at the recipe's 48 steps: compare with "48 steps"
+    "lr 4e-4": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "48", "--lr", "4e-4"]),
     "epoch": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "75"]),
     # the problem's numbers listed first: RL learned how often to write a second step, not when
     "counted": (["--style", "counted", "--error-share", "0.1"], ["--max-steps", "24"]),
@@ -70,6 +72,8 @@ RL_ARMS = {
     "RL lr 1e-4": ["--lr", "1e-4"],
     "RL 200 tokens": ["--max-response", "200"],
     "RL 4 draws": ["--max-draws", "4"],
+    # twice the steps (the learning rate is flat after warm-up): hf_step_12 is RL base's model
+    "RL 24 steps": ["--steps", "24", "--export-every", "12"],
     # RL problems without the evaluation's 300, two-operation ones repeated to half: the recipe's RL
     # taught the policy to stop after one operation (docs/words.md)
     "RL two ops half": ["--data", f"{OUT}/train_two_ops_half.jsonl"],
@@ -147,7 +151,12 @@ def problems_of(sft_arm: str) -> tuple[str, str]:
     return f"{data}/train.jsonl", f"{data}/train_last300.jsonl"
 
 
-columns = {}
+def evaluate(model: str, out_dir: str, problems: str):
+    run(["eval.py", "--model", model, "--out-dir", out_dir, "--benchmarks", problems, "--n", "2",
+         "--max-response", "384", "--kv-cache-tokens", "65536", "--max-turns", "6"], f"{out_dir}/table.json")
+
+
+columns, runs = {}, {}  # a column's evaluation; its arm and the RL steps it holds (None: all)
 for arm in arms:
     if arm in SFT_ARMS:
         prepare, sft = SFT_ARMS[arm]
@@ -167,10 +176,14 @@ for arm in arms:
                      f"---> HINT: from {args.rl_from}, run the RL arms that keep the problems (RL base)")
         run(["train.py", "--model", start, "--data", rl_problems, "--out-dir", folder(arm), *RL,
              *RL_ARMS[arm]], f"{model}/config.json")
-    columns[arm] = f"{folder(arm)}/eval"
-    run(["eval.py", "--model", model, "--out-dir", columns[arm], "--benchmarks", evaluated, "--n", "2",
-         "--max-response", "384", "--kv-cache-tokens", "65536", "--max-turns", "6"],
-        f"{columns[arm]}/table.json")
+        exports = sorted(int(name[len("hf_step_"):]) for name in os.listdir(folder(arm))
+                         if name.startswith("hf_step_"))
+        for step in exports[:-1]:  # an arm's earlier exports (--export-every): what its later steps bought
+            label = f"{arm} @{step}"
+            columns[label], runs[label] = f"{folder(arm)}/eval_step_{step}", (arm, step)
+            evaluate(f"{folder(arm)}/hf_step_{step}", columns[label], evaluated)
+    columns[arm], runs[arm] = f"{folder(arm)}/eval", (arm, None)
+    evaluate(model, columns[arm], evaluated)
 
 
 def second_step(eval_dir: str) -> tuple[float, float, float, float]:
@@ -215,20 +228,21 @@ report.print_table(columns, 2, slice_file, problems="training")
 print(f"\n{'arm':20} {'minutes':>8} {'s/step':>7} {'avg@2':>6} {'1 op':>6} {'2+ ops':>7} {'failing':>8} "
       f"{'cut off':>8} {'tokens':>7} {'2nd op, 1 op':>13} {'2+ ops':>7} {'right':>6} {'balance':>8} "
       f"{'sums right':>11}")
-for arm, eval_dir in columns.items():
+for label, eval_dir in columns.items():
     if not os.path.exists(f"{eval_dir}/table.json"):
         continue
     with open(f"{eval_dir}/table.json") as f:
         table = json.load(f)["table"][0]
+    arm, steps = runs[label]
     metrics = f"{folder(arm)}/{'sft/' if arm in SFT_ARMS else ''}metrics.jsonl"  # (SFT's or RL's steps)
     with open(metrics) as f:  # (an RL step's rollout, update and weight sync)
         seconds = [row.get("seconds") or row["rollout_seconds"] + row["train_seconds"] + row["sync_seconds"]
-                   for row in map(json.loads, f)]
+                   for row in map(json.loads, f)][:steps]
     with open(f"{eval_dir}/samples.jsonl") as f:
         cut = statistics.mean(s["finish_reason"] == "length" for s in map(json.loads, f))
     ops = report.accuracy_by_operations(eval_dir, slice_file)
     wrote_one, wrote_two, right_two, balance = second_step(eval_dir)
-    print(f"{arm:20} {sum(seconds) / 60:8.1f} {statistics.mean(seconds):7.1f} "
+    print(f"{label:20} {sum(seconds) / 60:8.1f} {statistics.mean(seconds):7.1f} "
           f"{100 * table['avg_pass@1']:6.1f} {100 * ops[1]:6.1f} {100 * ops[2]:7.1f} "
           f"{100 * table['tool_error_ratio']:8.1f} {100 * cut:8.1f} {table['response_length']:7.0f} "
           f"{100 * wrote_one:12.0f}% {100 * wrote_two:6.0f}% {100 * right_two:5.0f}% {100 * balance:7.0f}% "
