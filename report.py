@@ -67,7 +67,7 @@ def print_table(columns: dict, n: int, benchmark_file: str | None = None, proble
         return
     first = next(iter(tables))
     print(f"\n{problems} problems: {tables[first]['problems']} x {n} samples, temperature 0.6\n")
-    print(f"{'':32}" + "".join(f"{name:>14}" for name in tables))
+    print(f"{'':32}" + "".join(f" {name:>13}" for name in tables))  # (a long name stays apart)
     print(f"{'problems':32}" + "".join(f"{t['problems']:14d}" for t in tables.values()))
     for label, key, scale in ROWS:
         cells = [scale * t.get(key.format(n=n), float("nan")) for t in tables.values()]
