@@ -5,7 +5,9 @@ run's metrics.jsonl) or the rows train.py logs, and computes nothing that they d
 """
 import json
 import math
+import operator
 import os
+import re
 import statistics
 from collections import defaultdict
 
@@ -35,6 +37,25 @@ def accuracy_by_operations(folder: str, benchmark_file: str) -> dict:
     for (_, problem), accuracy in per_problem(folder).items():
         by_steps[steps[problem]].append(accuracy)
     return {k: statistics.mean(v) for k, v in sorted(by_steps.items())}
+
+
+SUM = re.compile(r"(\d+(?:\.\d+)?) ([-+*/]) (\d+(?:\.\d+)?) = (-?\d+(?:\.\d+)?)")  # "15 - 6 = 9"
+OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def sums_right(folder: str, first: int | None = None) -> float:
+    """The share of the sums an evaluation's samples write in their reasoning ("First, 15 - 6 = 9.")
+    whose value is right (`first`: of its first N problems only). The reward reads the code's output,
+    never these values, so RL is free to change them."""
+    right = []
+    with open(os.path.join(folder, "samples.jsonl")) as f:
+        for sample in map(json.loads, f):
+            if first is not None and sample["problem"] >= first:
+                continue
+            for a, op, b, value in SUM.findall(sample["text"].split("</reason>")[0]):
+                if op != "/" or float(b):
+                    right.append(abs(OPERATORS[op](float(a), float(b)) - float(value)) < 1e-6)
+    return statistics.mean(right or [float("nan")])
 
 
 def paired_gain(base_folder: str, folder: str, only=None) -> tuple[float, float, int]:

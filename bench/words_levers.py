@@ -20,10 +20,8 @@ has) are evaluated too, a column each ("RL 24 steps @12"). A finished arm is ski
 """
 import argparse
 import json
-import operator
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -74,6 +72,9 @@ RL_ARMS = {
     "RL 4 draws": ["--max-draws", "4"],
     # twice the steps (the learning rate is flat after warm-up): hf_step_12 is RL base's model
     "RL 24 steps": ["--steps", "24", "--export-every", "12"],
+    # held near the SFT model (k3 to it): 12 steps of RL base rewrote the sums its reasoning writes
+    # (right 48% -> 9%), which no reward reads and which the code then copies
+    "RL KL 0.2": ["--kl-coef", "0.2"],
     # RL problems without the evaluation's 300, two-operation ones repeated to half: the recipe's RL
     # taught the policy to stop after one operation (docs/words.md)
     "RL two ops half": ["--data", f"{OUT}/train_two_ops_half.jsonl"],
@@ -208,22 +209,6 @@ def second_step(eval_dir: str) -> tuple[float, float, float, float]:
     return written[1], written[2], right(2, True), balance
 
 
-SUM = re.compile(r"(\d+(?:\.\d+)?) ([-+*/]) (\d+(?:\.\d+)?) = (-?\d+(?:\.\d+)?)")  # "15 - 6 = 9"
-OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
-
-
-def sums_right(eval_dir: str) -> float:
-    """The share of the sums an arm's samples write in their reasoning ("First, 15 - 6 = 9.") whose
-    value is right. The reward reads the code's output, never these values, so RL is free to change them."""
-    right = []
-    with open(f"{eval_dir}/samples.jsonl") as f:
-        for sample in map(json.loads, f):
-            for a, op, b, value in SUM.findall(sample["text"].split("</reason>")[0]):
-                if op != "/" or float(b):
-                    right.append(abs(OPERATORS[op](float(a), float(b)) - float(value)) < 1e-6)
-    return statistics.mean(right or [float("nan")])
-
-
 report.print_table(columns, 2, slice_file, problems="training")
 print(f"\n{'arm':20} {'minutes':>8} {'s/step':>7} {'avg@2':>6} {'1 op':>6} {'2+ ops':>7} {'failing':>8} "
       f"{'cut off':>8} {'tokens':>7} {'2nd op, 1 op':>13} {'2+ ops':>7} {'right':>6} {'balance':>8} "
@@ -246,4 +231,4 @@ for label, eval_dir in columns.items():
           f"{100 * table['avg_pass@1']:6.1f} {100 * ops[1]:6.1f} {100 * ops[2]:7.1f} "
           f"{100 * table['tool_error_ratio']:8.1f} {100 * cut:8.1f} {table['response_length']:7.0f} "
           f"{100 * wrote_one:12.0f}% {100 * wrote_two:6.0f}% {100 * right_two:5.0f}% {100 * balance:7.0f}% "
-          f"{100 * sums_right(eval_dir):10.0f}%")
+          f"{100 * report.sums_right(eval_dir):10.0f}%")

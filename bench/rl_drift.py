@@ -1,0 +1,72 @@
+"""Is what RL does to the SFT model the size of its update, or its direction?
+
+    .venv/bin/python bench/rl_drift.py   # after bench/words_levers.py's "48 steps" and "RL 24 steps"
+
+Twelve RL steps from the 48-step stepwise SFT model rewrite the sums its reasoning writes (right 48% ->
+9%; docs/words.md). AdamW moves every weight by about the learning rate a step however noisy the
+gradient is, so the change could be noise of that size. This builds the SFT model plus Gaussian noise
+as large as RL's change, tensor by tensor (the same root mean square, a random direction), evaluates it
+as words_levers evaluates (temperature 0.6, 384 tokens, T = 6, 2 samples) on the first --first of its
+training problems, and prints accuracy and the sums right beside the SFT and RL models' evaluations of
+the same problems. Noise that leaves the sums right says it is the direction RL moves in.
+"""
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.chdir(ROOT)
+import report  # noqa: E402
+
+LEVERS = "runs/words_levers"
+parser = argparse.ArgumentParser(description="RL's change to the SFT model against noise of its size.")
+parser.add_argument("--sft", default=f"{LEVERS}/48_steps/sft", help="the SFT model RL started from")
+parser.add_argument("--rl", default=f"{LEVERS}/RL_24_steps_from_48_steps/hf_step_12", help="RL's model")
+parser.add_argument("--problems", default=f"{LEVERS}/train_last300.jsonl", help="what both were evaluated on")
+parser.add_argument("--first", type=int, default=100, help="evaluate the noisy model on the first N problems")
+parser.add_argument("--seed", type=int, default=0, help="the noise's seed")
+parser.add_argument("--out", default="runs/rl_drift", help="the noisy model and its evaluation")
+args = parser.parse_args()
+evals = {"SFT": f"{os.path.dirname(args.sft)}/eval", "RL": f"{os.path.dirname(args.rl)}/eval"}
+if os.path.basename(args.rl).startswith("hf_step_"):  # (words_levers evaluates an earlier export here)
+    evals["RL"] = f"{os.path.dirname(args.rl)}/eval_step_{args.rl.split('_')[-1]}"
+for name, folder in [("--sft", args.sft), ("--rl", args.rl), *evals.items()]:
+    if not os.path.exists(folder):
+        sys.exit(f"rl_drift: {folder} ({name}) is not there\n---> HINT: run bench/words_levers.py "
+                 f"--rl-from \"48 steps\" --arms \"48 steps,RL 24 steps\" first, or point --sft and --rl at yours")
+
+noisy = f"{args.out}/model"
+if not os.path.exists(f"{noisy}/model.safetensors"):
+    shutil.copytree(args.sft, noisy, ignore=shutil.ignore_patterns("model.safetensors"), dirs_exist_ok=True)
+    sft, rl = load_file(f"{args.sft}/model.safetensors"), load_file(f"{args.rl}/model.safetensors")
+    generator = torch.Generator().manual_seed(args.seed)
+    moved = {}
+    for key, weight in sft.items():
+        scale = (rl[key].float() - weight.float()).pow(2).mean().sqrt()  # RL's change to this tensor, its RMS
+        noise = torch.randn(weight.shape, generator=generator) * scale
+        moved[key] = (weight.float() + noise).to(weight.dtype).contiguous()
+    save_file(moved, f"{noisy}/model.safetensors", metadata={"format": "pt"})
+evals["SFT + noise of RL's size"] = f"{args.out}/eval"
+if not os.path.exists(f"{args.out}/eval/table.json"):
+    cmd = ["eval.py", "--model", noisy, "--out-dir", f"{args.out}/eval", "--benchmarks", args.problems,
+           "--first", str(args.first), "--n", "2", "--max-response", "384", "--kv-cache-tokens", "65536",
+           "--max-turns", "6"]
+    print("=== python " + " ".join(cmd), flush=True)
+    if subprocess.run([sys.executable, *cmd]).returncode:
+        sys.exit("rl_drift: the evaluation failed\n---> HINT: fix what eval.py reports and rerun")
+
+print(f"\nthe first {args.first} of {args.problems}, 2 samples each")
+print(f"{'':28} {'avg@2':>6} {'gain (SE)':>12} {'sums right':>11}")
+for name, folder in evals.items():
+    gain, se, _ = report.paired_gain(evals["SFT"], folder, only=set(range(args.first)))
+    accuracy = 100 * statistics.mean(a for (_, problem), a in report.per_problem(folder).items()
+                                     if problem < args.first)
+    print(f"{name:28} {accuracy:6.1f} {100 * gain:+6.1f} ({100 * se:.1f}) "
+          f"{100 * report.sums_right(folder, args.first):10.0f}%")
