@@ -43,19 +43,25 @@ SUM = re.compile(r"(\d+(?:\.\d+)?) ([-+*/]) (\d+(?:\.\d+)?) = (-?\d+(?:\.\d+)?)"
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
-def sums_right(folder: str, first: int | None = None) -> float:
-    """The share of the sums an evaluation's samples write in their reasoning ("First, 15 - 6 = 9.")
-    whose value is right (`first`: of its first N problems only). The reward reads the code's output,
+def written_sums(folder: str, first: int | None = None) -> list[tuple[float, float]]:
+    """(the value written, the right value) of each sum an evaluation's samples write in their reasoning
+    ("First, 15 - 6 = 9."; `first`: of its first N problems only). The reward reads the code's output,
     never these values, so RL is free to change them."""
-    right = []
+    sums = []
     with open(os.path.join(folder, "samples.jsonl")) as f:
         for sample in map(json.loads, f):
             if first is not None and sample["problem"] >= first:
                 continue
             for a, op, b, value in SUM.findall(sample["text"].split("</reason>")[0]):
                 if op != "/" or float(b):
-                    right.append(abs(OPERATORS[op](float(a), float(b)) - float(value)) < 1e-6)
-    return statistics.mean(right or [float("nan")])
+                    sums.append((float(value), OPERATORS[op](float(a), float(b))))
+    return sums
+
+
+def sums_right(folder: str, first: int | None = None) -> float:
+    """The share of the sums in an evaluation's reasoning whose value is right (written_sums)."""
+    return statistics.mean([abs(written - right) < 1e-6 for written, right in written_sums(folder, first)]
+                           or [float("nan")])
 
 
 def paired_gain(base_folder: str, folder: str, only=None) -> tuple[float, float, int]:

@@ -33,14 +33,21 @@ parser.add_argument("--problems", default=f"{LEVERS}/train_last300.jsonl", help=
 parser.add_argument("--first", type=int, default=100, help="evaluate the noisy model on the first N problems")
 parser.add_argument("--seed", type=int, default=0, help="the noise's seed")
 parser.add_argument("--out", default="runs/rl_drift", help="the noisy model and its evaluation")
+parser.add_argument("--also", nargs="*", default=[], help="other evaluations of the same problems to list")
 args = parser.parse_args()
 evals = {"SFT": f"{os.path.dirname(args.sft)}/eval", "RL": f"{os.path.dirname(args.rl)}/eval"}
 if os.path.basename(args.rl).startswith("hf_step_"):  # (words_levers evaluates an earlier export here)
     evals["RL"] = f"{os.path.dirname(args.rl)}/eval_step_{args.rl.split('_')[-1]}"
 for name, folder in [("--sft", args.sft), ("--rl", args.rl), *evals.items()]:
     if not os.path.exists(folder):
-        sys.exit(f"rl_drift: {folder} ({name}) is not there\n---> HINT: run bench/words_levers.py "
-                 f"--rl-from \"48 steps\" --arms \"48 steps,RL 24 steps\" first, or point --sft and --rl at yours")
+        sys.exit(f"rl_drift: {folder} ({name}) is not there\n---> HINT: run bench/words_levers.py --rl-from "
+                 f"\"48 steps\" --arms \"48 steps,RL 24 steps\" first, or point --sft and --rl at yours")
+
+
+
+def digits(value: float) -> int:
+    return len(str(round(abs(value))))
+
 
 noisy = f"{args.out}/model"
 if not os.path.exists(f"{noisy}/model.safetensors"):
@@ -62,11 +69,16 @@ if not os.path.exists(f"{args.out}/eval/table.json"):
     if subprocess.run([sys.executable, *cmd]).returncode:
         sys.exit("rl_drift: the evaluation failed\n---> HINT: fix what eval.py reports and rerun")
 
-print(f"\nthe first {args.first} of {args.problems}, 2 samples each")
-print(f"{'':28} {'avg@2':>6} {'gain (SE)':>12} {'sums right':>11}")
-for name, folder in evals.items():
+print(f"\nthe first {args.first} of {args.problems}, 2 samples each; the sums the reasoning writes: how many")
+print("are right, how many 10 times too big, the digits of the values written and of the right ones")
+print(f"{'':28} {'avg@2':>6} {'gain (SE)':>12} {'right':>6} {'x10':>5} {'digits':>7} {'right':>6}")
+for name, folder in [*evals.items(), *((os.path.basename(os.path.dirname(f)), f) for f in args.also)]:
     gain, se, _ = report.paired_gain(evals["SFT"], folder, only=set(range(args.first)))
     accuracy = 100 * statistics.mean(a for (_, problem), a in report.per_problem(folder).items()
                                      if problem < args.first)
+    sums = report.written_sums(folder, args.first)
+    too_big = statistics.mean(abs(written) >= 10 * max(abs(right), 1) for written, right in sums)
     print(f"{name:28} {accuracy:6.1f} {100 * gain:+6.1f} ({100 * se:.1f}) "
-          f"{100 * report.sums_right(folder, args.first):10.0f}%")
+          f"{100 * report.sums_right(folder, args.first):5.0f}% {100 * too_big:4.0f}% "
+          f"{statistics.mean(digits(w) for w, _ in sums):7.2f} "
+          f"{statistics.mean(digits(r) for _, r in sums):6.2f}")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from report import accuracy_by_operations, paired_gain, per_problem, sums_right
+from report import accuracy_by_operations, paired_gain, per_problem, sums_right, written_sums
 
 
 def write_samples(folder, correct_by_problem):
@@ -78,7 +78,7 @@ def test_the_curves_plot_a_run_whose_metrics_lack_a_panels_key(tmp_path, capsys)
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
-def test_sums_right_reads_the_reasoning_only_and_skips_a_division_by_zero(tmp_path):
+def test_the_sums_written_are_read_from_the_reasoning_only_and_a_division_by_zero_skipped(tmp_path):
     texts = {0: "First, 15 - 6 = 9. Then, 9 * 7 = 64.</reason><tool_call>print(2 + 2 = 5)</tool_call>",
              1: "First, 10 / 4 = 2.5. Then, 3 / 0 = 0.</reason>",
              2: "First, 1 + 1 = 3.</reason>"}
@@ -87,5 +87,6 @@ def test_sums_right_reads_the_reasoning_only_and_skips_a_division_by_zero(tmp_pa
         for problem, text in texts.items():
             f.write(json.dumps(dict(benchmark="test", problem=problem, sample=0, correct=True, text=text)) + "\n")
     # right: 15 - 6 = 9 and 10 / 4 = 2.5; wrong: 9 * 7 = 64 and 1 + 1 = 3; the code's sum and 3 / 0 unread
+    assert written_sums(str(tmp_path / "eval")) == [(9, 9), (64, 63), (2.5, 2.5), (3, 2)]
     assert sums_right(str(tmp_path / "eval")) == 0.5
     assert sums_right(str(tmp_path / "eval"), first=2) == pytest.approx(2 / 3)
