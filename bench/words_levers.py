@@ -68,6 +68,8 @@ RL_ARMS = {
     "RL base": [],
     "RL T 0.7": ["--temperature", "0.7"],
     "RL lr 1e-4": ["--lr", "1e-4"],
+    # a fifth of the step: from the 48-step model every 12-step arm drifted its own way (docs/words.md)
+    "RL lr 1e-5": ["--lr", "1e-5"],
     "RL 200 tokens": ["--max-response", "200"],
     "RL 4 draws": ["--max-draws", "4"],
     # twice the steps (the learning rate is flat after warm-up): hf_step_12 is RL base's model
