@@ -7,8 +7,10 @@ Twelve RL steps from the 48-step stepwise SFT model rewrite the sums its reasoni
 gradient is, so the change could be noise of that size. This builds the SFT model plus Gaussian noise
 as large as RL's change, tensor by tensor (the same root mean square, a random direction), evaluates it
 as words_levers evaluates (temperature 0.6, 384 tokens, T = 6, 2 samples) on the first --first of its
-training problems, and prints accuracy and the sums right beside the SFT and RL models' evaluations of
-the same problems. Noise that leaves the sums right says it is the direction RL moves in.
+training problems, and prints accuracy and the sums beside the SFT and RL models' evaluations of the
+same problems (and any other arm's, --also): how many are right, how many ten times too big, and the
+digits of the values written against the right ones. Noise that leaves the sums right says it is the
+direction RL moves in; the columns say which way each run's values went.
 """
 import argparse
 import os
@@ -32,7 +34,8 @@ parser.add_argument("--rl", default=f"{LEVERS}/RL_24_steps_from_48_steps/hf_step
 parser.add_argument("--problems", default=f"{LEVERS}/train_last300.jsonl", help="what both were evaluated on")
 parser.add_argument("--first", type=int, default=100, help="evaluate the noisy model on the first N problems")
 parser.add_argument("--seed", type=int, default=0, help="the noise's seed")
-parser.add_argument("--out", default="runs/rl_drift", help="the noisy model and its evaluation")
+parser.add_argument("--out", default="runs/rl_drift",
+                    help="the noisy model and its evaluations (kept: another --rl or --seed, another --out)")
 parser.add_argument("--also", nargs="*", default=[], help="other evaluations of the same problems to list")
 args = parser.parse_args()
 evals = {"SFT": f"{os.path.dirname(args.sft)}/eval", "RL": f"{os.path.dirname(args.rl)}/eval"}
@@ -42,7 +45,6 @@ for name, folder in [("--sft", args.sft), ("--rl", args.rl), *evals.items()]:
     if not os.path.exists(folder):
         sys.exit(f"rl_drift: {folder} ({name}) is not there\n---> HINT: run bench/words_levers.py --rl-from "
                  f"\"48 steps\" --arms \"48 steps,RL 24 steps\" first, or point --sft and --rl at yours")
-
 
 
 def digits(value: float) -> int:
@@ -60,9 +62,9 @@ if not os.path.exists(f"{noisy}/model.safetensors"):
         noise = torch.randn(weight.shape, generator=generator) * scale
         moved[key] = (weight.float() + noise).to(weight.dtype).contiguous()
     save_file(moved, f"{noisy}/model.safetensors", metadata={"format": "pt"})
-evals["SFT + noise of RL's size"] = f"{args.out}/eval"
-if not os.path.exists(f"{args.out}/eval/table.json"):
-    cmd = ["eval.py", "--model", noisy, "--out-dir", f"{args.out}/eval", "--benchmarks", args.problems,
+noisy_eval = evals["SFT + noise of RL's size"] = f"{args.out}/eval_first_{args.first}"
+if not os.path.exists(f"{noisy_eval}/table.json"):
+    cmd = ["eval.py", "--model", noisy, "--out-dir", noisy_eval, "--benchmarks", args.problems,
            "--first", str(args.first), "--n", "2", "--max-response", "384", "--kv-cache-tokens", "65536",
            "--max-turns", "6"]
     print("=== python " + " ".join(cmd), flush=True)
