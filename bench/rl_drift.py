@@ -38,9 +38,9 @@ parser.add_argument("--out", default="runs/rl_drift",
                     help="the noisy model and its evaluations (kept: another --rl or --seed, another --out)")
 parser.add_argument("--also", nargs="*", default=[], help="other evaluations of the same problems to list")
 args = parser.parse_args()
-evals = {"SFT": f"{os.path.dirname(args.sft)}/eval", "RL": f"{os.path.dirname(args.rl)}/eval"}
-if os.path.basename(args.rl).startswith("hf_step_"):  # (words_levers evaluates an earlier export here)
-    evals["RL"] = f"{os.path.dirname(args.rl)}/eval_step_{args.rl.split('_')[-1]}"
+export = os.path.basename(args.rl)  # (words_levers evaluates an earlier export hf_step_N in eval_step_N)
+rl_eval = f"eval_step_{export[len('hf_step_'):]}" if export.startswith("hf_step_") else "eval"
+evals = {"SFT": f"{os.path.dirname(args.sft)}/eval", "RL": f"{os.path.dirname(args.rl)}/{rl_eval}"}
 for name, folder in [("--sft", args.sft), ("--rl", args.rl), *evals.items()]:
     if not os.path.exists(folder):
         sys.exit(f"rl_drift: {folder} ({name}) is not there\n---> HINT: run bench/words_levers.py --rl-from "
@@ -49,6 +49,12 @@ for name, folder in [("--sft", args.sft), ("--rl", args.rl), *evals.items()]:
 
 def digits(value: float) -> int:
     return len(str(round(abs(value))))
+
+
+def mean(values) -> float:
+    """A mean that is nan for an evaluation whose reasoning writes no sums (the symbolic style's)."""
+    values = list(values)
+    return statistics.mean(values) if values else float("nan")
 
 
 noisy = f"{args.out}/model"
@@ -76,11 +82,10 @@ print("are right, how many 10 times too big, the digits of the values written an
 print(f"{'':28} {'avg@2':>6} {'gain (SE)':>12} {'right':>6} {'x10':>5} {'digits':>7} {'right':>6}")
 for name, folder in [*evals.items(), *((os.path.basename(os.path.dirname(f)), f) for f in args.also)]:
     gain, se, _ = report.paired_gain(evals["SFT"], folder, only=set(range(args.first)))
-    accuracy = 100 * statistics.mean(a for (_, problem), a in report.per_problem(folder).items()
+    accuracy = 100 * mean(a for (_, problem), a in report.per_problem(folder).items()
                                      if problem < args.first)
     sums = report.written_sums(folder, args.first)
-    too_big = statistics.mean(abs(written) >= 10 * max(abs(right), 1) for written, right in sums)
+    too_big = mean(abs(written) >= 10 * max(abs(right), 1) for written, right in sums)
     print(f"{name:28} {accuracy:6.1f} {100 * gain:+6.1f} ({100 * se:.1f}) "
           f"{100 * report.sums_right(folder, args.first):5.0f}% {100 * too_big:4.0f}% "
-          f"{statistics.mean(digits(w) for w, _ in sums):7.2f} "
-          f"{statistics.mean(digits(r) for _, r in sums):6.2f}")
+          f"{mean(digits(w) for w, _ in sums):7.2f} {mean(digits(r) for _, r in sums):6.2f}")

@@ -85,7 +85,8 @@ def test_the_sums_written_are_read_from_the_reasoning_only_and_a_division_by_zer
     (tmp_path / "eval").mkdir()
     with open(tmp_path / "eval" / "samples.jsonl", "w") as f:
         for problem, text in texts.items():
-            f.write(json.dumps(dict(benchmark="test", problem=problem, sample=0, correct=True, text=text)) + "\n")
+            sample = dict(benchmark="test", problem=problem, sample=0, correct=True, text=text)
+            f.write(json.dumps(sample) + "\n")
     # right: 15 - 6 = 9 and 10 / 4 = 2.5; wrong: 9 * 7 = 64 and 1 + 1 = 3; the code's sum and 3 / 0 unread
     assert written_sums(str(tmp_path / "eval")) == [(9, 9), (64, 63), (2.5, 2.5), (3, 2)]
     assert sums_right(str(tmp_path / "eval")) == 0.5
