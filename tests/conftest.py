@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +18,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# One thread a process, here and in every process a test starts: pytest.ini runs two test workers on
+# what may be 2 shared cores, and torch's default of a thread per core then made the toy SFT 10-30x
+# slower (spinning threads wait on each other); one thread does not mind.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 KV_CACHE_TOKENS = 65536  # the shared engine's KV cache: 256 MB for the toy model, on any machine
 CACHE = Path(os.environ.get("RSTAR2_TEST_CACHE", Path.home() / ".cache" / "rstar2-agent"))
 
 
 def _run(*cmd):
-    # One thread: on 2 shared cores, torch's default of one per core made the toy SFT 10-30x slower
-    # whenever anything else ran (spinning threads wait on each other); one thread does not mind.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, check=True, env=env)
+    subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, check=True)
+
+
+def torchrun(nproc: int = 2) -> list[str]:
+    """The command that starts nproc ranks, on a free port: the test workers run side by side, and two
+    launches on torchrun's default port would meet there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={port}"]
 
 
 def _cached(name: str, key_files: list[str], build) -> Path:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import torchrun
 from engine import engine_seed, kv_bytes_per_token, sleep, sync_weights, wake_for_rollout
 from rollout import RolloutConfig, Trajectory, sampling_params
 
@@ -213,7 +214,7 @@ def test_a_sync_writes_every_engine_parameter_so_dropped_weights_lose_nothing(bl
 def test_each_shard_cast_before_the_gather_gives_the_bits_of_casting_after_and_gathers_bf16(tmp_path):
     """Two ranks shard a model (a vocabulary of 1001 rows: uneven shards); full_weights must hand over
     exactly the bits of the gather-then-cast it replaced, and gather 2-byte tensors, not fp32."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, str(tmp_path)]
+    cmd = [*torchrun(2), __file__, str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600)
     for rank in range(2):

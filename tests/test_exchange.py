@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import torchrun
 from rollout import Trajectory, trajectory_metrics
 from batch import ProblemQueue, without_payload
 
@@ -83,7 +84,7 @@ def test_two_ranks_receive_exactly_the_tokens_they_train_on(tmp_path):
     subset is planned into micro-batches, and after the exchange each rank holds the tokens (equal to
     the originals, dtypes included) of exactly the trajectories it trains, and of no other."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, str(tmp_path)]
+    cmd = [*torchrun(2), __file__, str(tmp_path)]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=300)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     every = [[i, s] for i in range(PROBLEMS) for s in range(SAMPLES)]

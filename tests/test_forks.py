@@ -239,7 +239,8 @@ def test_the_readme_fork_applies_and_passes_the_tests_it_touches(name, tmp_path)
     tests, check = FORKS[name]
     (copy / "tests" / "test_fork_check.py").write_text(textwrap.dedent(check))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider"]
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
+                  "-n", "0"]  # (one process: the copy's few tests do not need pytest.ini's two workers)
     run = subprocess.run([*pytest_cmd, *tests, "tests/test_fork_check.py"], cwd=copy, env=env,
                          capture_output=True, text=True)
     assert run.returncode == 0, \

@@ -90,3 +90,13 @@ def test_every_document_the_code_cites_is_in_the_repository():
     missing = [f"{path.relative_to(ROOT)} cites {cited}" for path in sources
                for cited in re.findall(r"[\w./-]+\.md\b", path.read_text()) if not (ROOT / cited).exists()]
     assert not missing, "cited documents that the repository does not have: " + "; ".join(missing)
+
+
+def test_every_torchrun_of_the_tests_takes_a_free_port():
+    """pytest.ini runs two test workers side by side: two launches on torchrun's default port (29500)
+    would meet in one rendezvous, or fail to bind it. conftest.torchrun picks a free port each time."""
+    import re
+    launch = re.compile(r'"-m",\s*"torch\.distributed\.run"')
+    tests = sorted((ROOT / "tests").glob("test_*.py"))
+    raw = [path.name for path in tests if launch.search(path.read_text())]
+    assert not raw, f"{raw} start torch.distributed.run themselves\n---> HINT: use conftest.torchrun(n)"

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import torchrun
 from conversation import IM_END, render_prompt, render_tool_call
 from rollout import RolloutConfig
 from batch import ProblemQueue
@@ -206,12 +207,11 @@ def test_two_ranks_share_one_queue_and_the_fast_rank_pulls_more(toy_world, tmp_p
     last one is done: rank 0 must take more of them."""
     import os
     import subprocess
-    import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root))
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__,
-                    str(toy_world / "init_model"), str(tmp_path)], cwd=root, env=env, check=True, timeout=900)
+    subprocess.run([*torchrun(2), __file__, str(toy_world / "init_model"), str(tmp_path)], cwd=root, env=env,
+                   check=True, timeout=900)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["batch"] == ranks[1]["batch"], "every rank must return the same gathered batch"
     assert [tuple(x[:2]) for x in ranks[0]["batch"]] == [(i, s) for i in range(8) for s in range(2)], \

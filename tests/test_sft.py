@@ -2,7 +2,6 @@
 same update, FSDP2 on two ranks matches one process, bad input fails clearly."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sft  # noqa: E402
+from conftest import torchrun  # noqa: E402
 from conversation import USER_PREFIX, render_messages, render_tool_call  # noqa: E402
 from training import plan_micro_batches  # noqa: E402
 
@@ -274,13 +274,8 @@ def test_two_rank_fsdp_matches_one_process(world, tmp_path):
     # second rank runs an empty pass, so the uneven path is exercised too.
     flags = ["--model", world["model_dir"], "--data", world["data"], "--lr", "1e-3", "--batch-size", "5",
              "--epochs", "2", "--max-len", "230", "--micro-batch-tokens", "230", "--grad-checkpointing", "1"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={port}", os.path.join(ROOT, "sft.py"), *flags, "--out-dir", str(tmp_path / "two")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [*torchrun(2), os.path.join(ROOT, "sft.py"), *flags, "--out-dir", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sft.main([*flags, "--out-dir", str(tmp_path / "one")])
     losses = [[json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl")] for run in ("one", "two")]

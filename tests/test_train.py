@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import torchrun
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-size", "2",
@@ -19,8 +20,7 @@ SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-siz
 
 def train(out, model, data, *flags, nproc=1, stdout=None):
     """Run train.py; its metrics rows (and, with stdout=[], its output is appended there)."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    "--nproc_per_node", str(nproc)]
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
     cmd = [*launcher, "train.py", "--preset", "toy", "--model", str(model), "--data", str(data),
            "--out-dir", str(out), *SMALL, *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
@@ -188,7 +188,7 @@ def test_errors_say_what_to_do(tmp_path, toy_sft_model, toy_world):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": "What is 2 + 2?"}\n')
     one = [sys.executable]
-    two = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    two = torchrun(2)
     for launcher, flags, hint in [(one, ["--data", str(tmp_path / "missing.jsonl")], "prepare_rl.py"),
                                   (one, ["--model", str(tmp_path / "no-model")], "sft.py --preset toy"),
                                   (one, ["--data", str(bad)], "bad.jsonl:2"),

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from conftest import torchrun
 from logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs
 from rollout import read_problems
 
@@ -201,7 +202,7 @@ def test_only_rank_0_holds_the_full_model_and_both_ranks_end_with_its_weights(tm
     config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=16,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=tie)
     Qwen3ForCausalLM(config).save_pretrained(tmp_path / "model")  # ~70M parameters, ~280 MB in fp32
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, str(tmp_path)]
+    cmd = [*torchrun(2), __file__, str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -223,7 +224,7 @@ def test_a_rank_whose_sandbox_cannot_start_stops_the_whole_job(tmp_path):
     rank 1 on the gloo group, as train.py's ranks wait for each other's rollouts. The job must end, with
     the sandbox's message, instead of rank 0 waiting for the process group's four-hour timeout."""
     import time
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, str(tmp_path), "sandbox"]
+    cmd = [*torchrun(2), __file__, str(tmp_path), "sandbox"]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
                           timeout=600)
