@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import torchrun
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-size", "2",
