@@ -5,7 +5,7 @@ import json
 import pytest
 
 import rollout
-from conversation import IM_END, TOOLS, Tool, ToolCall, format_tool_response, render_tool_call, render_tool_turn
+from conversation import IM_END, TOOLS, Tool, ToolCall, render_tool_call, render_tool_turn
 from rollout import (RolloutConfig, Trajectory, add_rollout_flags, add_tool_turn, end_turn, rollout_config, score,
                      start_trajectories)
 from sandbox import SANDBOX_FAILURE
