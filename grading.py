@@ -2,15 +2,12 @@
 
 Plain numbers (all RL answers are integers) are compared exactly here; math-verify decides the rest.
 """
-import operator
 import re
 
 _NUMBER_WRAPPERS = [re.compile(p, re.DOTALL) for p in
                     (r"^\$+(.*?)\$+$", r"^\\\((.*)\\\)$", r"^\\\[(.*)\\\]$", r"^\\boxed\s*\{(.*)\}$")]
 _THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}([, ]\d{3})+")
 _DECIMAL_RE = re.compile(r"[+-]?\d+(\.\d*)?")
-_SUM = re.compile(r"(\d+(?:\.\d+)?) ([-+*/]) (\d+(?:\.\d+)?) = (-?\d+(?:\.\d+)?)")  # "15 - 6 = 9"
-_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 def as_number(text: str) -> int | float | None:
@@ -60,15 +57,3 @@ def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[flo
         for i, ok in zip(undecided, verdicts):
             rewards[i] = None if ok is None else float(ok)
     return rewards
-
-
-def reasoning_sums(text: str) -> list[tuple[float, float]]:
-    """(the value written, the right value) of each sum a response's reasoning writes ("First, 15 - 6 = 9."),
-    read before its first </reason>; a division by zero is skipped. No reward reads these values (the code's
-    output gives the answer), so RL is free to change them: report.py counts them, and grpo_roc.py's
-    "roc_sums" weight prefers the positives that write them right."""
-    sums = []
-    for a, op, b, value in _SUM.findall(text.split("</reason>")[0]):
-        if op != "/" or float(b):
-            sums.append((float(value), _OPERATORS[op](float(a), float(b))))
-    return sums

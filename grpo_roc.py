@@ -14,8 +14,7 @@ What this file does (paper §2.2.3, Eq. 4-7) and where it departs from the paper
    the paper's floor keeps none of a single negative, and the group would then be all correct.
 4. Positives (the correct rollouts) fill the rest of G, drawn without replacement with probability
    proportional to 1 / (p_total + 1e-3) (POSITIVE_WEIGHTS). Short of positives, negatives fill G; a group
-   of at most G is kept whole (`short_group` if < G). An ablation, not the paper's: "roc_sums" adds to
-   p_total the share of wrong sums in the reasoning, values no reward reads (docs/words.md).
+   of at most G is kept whole (`short_group` if < G).
 5. `downsample_uniform`, the paper's "GRPO with tool" ablation at equal compute: (2), then G of 2G uniformly.
 6. Advantage: (r - mean) / (std + 1e-6) over the kept G, unbiased std (as verl); 0 for a group of one.
 7. Loss: PPO clip with Clip-Higher (EPS_LOW 0.2, EPS_HIGH 0.28), token-level as in DAPO: the token
@@ -73,19 +72,7 @@ def roc_weight(traj: Trajectory) -> float:
     return 1.0 / (tool_error_penalty(traj) + format_penalty(traj) + PENALTY_EPS)
 
 
-def sums_penalty(traj: Trajectory) -> float:
-    """p_sums: the share of the sums the first reasoning writes ("First, 15 - 6 = 9.") whose value is wrong;
-    0 without any. The answer comes from the code, so RL lets these values drift unless something reads them."""
-    return traj.sums_wrong / traj.sums_written if traj.sums_written else 0.0
-
-
-def roc_sums_weight(traj: Trajectory) -> float:
-    """(4) RoC's weight with p_sums added to p_total: positives whose reasoning is right win the draw."""
-    return 1.0 / (tool_error_penalty(traj) + format_penalty(traj) + sums_penalty(traj) + PENALTY_EPS)
-
-
-# (4) resample_on_correct's positive_weight names one (train.py --downsample-setting positive_weight=NAME)
-POSITIVE_WEIGHTS = {"roc": roc_weight, "roc_sums": roc_sums_weight}
+POSITIVE_WEIGHTS = {"roc": roc_weight}  # (4) resample_on_correct's positive_weight names one
 
 
 # -----------------------------------------------------------------------------

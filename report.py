@@ -5,11 +5,11 @@ run's metrics.jsonl) or the rows train.py logs, and computes nothing that they d
 """
 import json
 import math
+import operator
 import os
+import re
 import statistics
 from collections import defaultdict
-
-from grading import reasoning_sums
 
 ROWS = [("accuracy (avg@{n}, %)", "avg_pass@1", 100), ("pass@{n} (%)", "pass@{n}", 100),
         ("tool-use rate (%)", "tool_use", 100), ("tool-error ratio (%)", "tool_error_ratio", 100),
@@ -39,9 +39,23 @@ def accuracy_by_operations(folder: str, benchmark_file: str) -> dict:
     return {k: statistics.mean(v) for k, v in sorted(by_steps.items())}
 
 
+SUM = re.compile(r"(\d+(?:\.\d+)?) ([-+*/]) (\d+(?:\.\d+)?) = (-?\d+(?:\.\d+)?)")  # "15 - 6 = 9"
+OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def reasoning_sums(text: str) -> list[tuple[float, float]]:
+    """(the value written, the right value) of each sum a response's reasoning writes ("First, 15 - 6 =
+    9."), read before its first </reason>; a division by zero is skipped. The reward reads the code's
+    output, never these values, so RL is free to change them."""
+    sums = []
+    for a, op, b, value in SUM.findall(text.split("</reason>")[0]):
+        if op != "/" or float(b):
+            sums.append((float(value), OPERATORS[op](float(a), float(b))))
+    return sums
+
+
 def written_sums(folder: str, first: int | None = None) -> list[tuple[float, float]]:
-    """(the value written, the right value) of each sum an evaluation's samples write in their reasoning
-    (grading.reasoning_sums; `first`: of its first N problems only)."""
+    """reasoning_sums of every sample of an evaluation (`first`: of its first N problems only)."""
     sums = []
     with open(os.path.join(folder, "samples.jsonl")) as f:
         for sample in map(json.loads, f):

@@ -13,7 +13,7 @@ import numpy as np
 
 from conversation import (DEFAULT_TOOLS, IM_END, MAX_TOOL_RESPONSE_CHARS, TOOLS, encode, extract_answer,
                           format_tool_response, parse_tool_call, prompt_ids, tool_turn_pieces)
-from grading import grade, reasoning_sums
+from grading import grade
 from sandbox import SANDBOX_FAILURE
 
 # -----------------------------------------------------------------------------
@@ -41,8 +41,6 @@ class Trajectory:
     num_answers: int = 0            # <answer> blocks the model wrote, over all turns
     answer_tags_match: bool = True  # each turn closes as many answers as it opens (RoC's format penalty)
     void_turns: int = 0             # turns that ended with neither a tool call nor an answer
-    sums_written: int = 0           # sums the first turn's reasoning writes ("15 - 6 = 9"), and how many
-    sums_wrong: int = 0             # of them are wrong: values no reward reads (grpo_roc's "roc_sums")
     answer: str | None = None       # the extracted \boxed{} answer, None if there is none
     gold: str = ""                  # the reference answer
     correct: bool = False           # the answer is equivalent to the gold one (set by grading)
@@ -208,10 +206,6 @@ def end_turn(traj: Trajectory, token_ids: list[int], logprobs: list[float], toke
     traj.text += text
     traj.num_answers += text.count("<answer>")  # GRPO-RoC's format penalty counts repeated answers
     traj.answer_tags_match &= text.count("<answer>") == text.count("</answer>")
-    if traj.num_turns == 1:
-        sums = reasoning_sums(text)
-        traj.sums_written = len(sums)
-        traj.sums_wrong = sum(abs(written - right) > 1e-6 for written, right in sums)
     traj.answer = extract_answer(text) or traj.answer  # the model's last answer counts
     call = parse_tool_call(text, cfg.tools)
     ended = bool(token_ids) and token_ids[-1] in end_of_turn_ids(tokenizer, cfg)
@@ -300,6 +294,4 @@ def trajectory_metrics(trajs: list[Trajectory]) -> dict:
         # GRPO-RoC's p_err on the correct trajectories that called the tool (the paper's Fig. 4)
         "tool_error_ratio_pos": sum(min(1.0, t.num_tool_failures / t.tool_calls) for t in correct_tool_users)
         / max(len(correct_tool_users), 1),
-        # the sums the reasoning writes with a wrong value, which no reward reads (grpo_roc's "roc_sums")
-        "sums_wrong": sum(t.sums_wrong for t in graded) / max(sum(t.sums_written for t in graded), 1),
     }

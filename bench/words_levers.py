@@ -78,8 +78,6 @@ RL_ARMS = {
     # held near the SFT model (k3 to it): 12 steps of RL base rewrote the sums its reasoning writes
     # (right 48% -> 9%), which no reward reads and which the code then copies
     "RL KL 0.2": ["--kl-coef", "0.2"],
-    # RoC's positives drawn by those sums too: a right answer whose reasoning's values are right wins
-    "RL RoC sums": ["--downsample-setting", "positive_weight=roc_sums"],
     # RL problems without the evaluation's 300, two-operation ones repeated to half: the recipe's RL
     # taught the policy to stop after one operation (docs/words.md)
     "RL two ops half": ["--data", f"{OUT}/train_two_ops_half.jsonl"],

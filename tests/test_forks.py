@@ -37,6 +37,31 @@ FORKS = {
                                   "--data", str(tmp_path / "none.jsonl")], capture_output=True, text=True)
             assert "no such file" in out.stderr, "train.py refused the setting: " + out.stderr[-500:]
         """),
+    "roc-sums": (["tests/test_grpo_roc.py::test_every_positive_weight_is_a_positive_number_roc_can_draw_by",
+                  "tests/test_rollout.py"], """
+        import random
+        from conversation import IM_END, render_tool_call
+        from grpo_roc import resample_on_correct
+        from rollout import RolloutConfig, Trajectory, end_turn, start_trajectories, trajectory_metrics
+        from test_rollout import tok  # noqa: F401 (the fixture)
+
+        def test_the_first_reasonings_sums_are_counted_and_roc_keeps_the_positive_that_writes_them_right(tok):
+            traj = start_trajectories(tok, [{"question": "15 - 6", "answer": "9"}], 1)[0]
+            first = "First, 15 - 6 = 9. Then, 9 * 7 = 64.</reason>" + render_tool_call("print(63)") + IM_END
+            for text in (first, "<reason>So 1 + 1 = 3.</reason><answer>\\boxed{63}</answer>" + IM_END):
+                ids = tok.encode(text, add_special_tokens=False)
+                end_turn(traj, ids, [-0.5] * len(ids), tok, RolloutConfig())
+            assert traj.sums == (1, 2), "the first turn's two sums, one wrong; the second turn's unread"
+            assert trajectory_metrics([traj, Trajectory(0, sums=(0, 3))])["sums_wrong"] == 1 / 5
+            right, wrong = (Trajectory(0, correct=True, reward=1.0, tool_calls=1, num_answers=1, sums=s)
+                            for s in ((0, 2), (1, 2)))
+            group = [right, wrong, Trajectory(0), Trajectory(0)]
+            draws = [resample_on_correct(group, 2, random.Random(i), positive_weight=w)[0]
+                     for w in ("roc_sums", "roc") for i in range(200)]
+            hits = [any(t is right for t in kept) for kept in draws]
+            assert sum(hits[:200]) >= 198, "roc_sums keeps the positive whose sums are right"
+            assert 60 <= sum(hits[200:]) <= 140, "the paper's RoC does not read them"
+        """),
     "format-penalty": (["tests/test_eval.py", "tests/test_rollout.py"], """
         from rollout import RolloutConfig, Trajectory, reward
 

@@ -7,7 +7,7 @@ import torch
 
 from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, PENALTY_EPS, POSITIVE_WEIGHTS, downsample_uniform, drop_sandbox_failures,
                       filter_void_turns, format_penalty, group_advantages, mismatch_correction,
-                      policy_loss, resample_on_correct, roc_weight, sums_penalty, tool_error_penalty)
+                      policy_loss, resample_on_correct, roc_weight, tool_error_penalty)
 from rollout import Trajectory
 from update import MiniBatch, effective_sample_size
 
@@ -210,18 +210,6 @@ def test_a_variant_of_roc_is_one_setting_uniform_positives_for_example(monkeypat
         assert lo <= hits / n <= hi, f"flawless kept {hits / n:.2f}: the positives' weight was not used"
     with pytest.raises(ValueError, match="HINT"):
         resample_on_correct(group, 2, random.Random(0), positive_weight="no such weight")
-
-
-def test_roc_sums_keeps_the_positive_whose_reasoning_sums_are_right_and_roc_does_not_look():
-    right, wrong = traj(1), traj(1)
-    right.sums_written, wrong.sums_written, wrong.sums_wrong = 2, 2, 1   # p_sums 0 and 0.5
-    assert sums_penalty(right) == 0.0 and sums_penalty(wrong) == 0.5 and sums_penalty(traj(1)) == 0.0
-    assert roc_weight(right) == roc_weight(wrong), "the paper's RoC does not read the reasoning's values"
-    group, n = [right, wrong, traj(0), traj(0)], 400
-    for weight, lo, hi in [("roc_sums", 0.99, 1.0), ("roc", 0.35, 0.65)]:
-        hits = sum(id(right) in ids(resample_on_correct(group, 2, random.Random(i), positive_weight=weight)[0])
-                   for i in range(n))
-        assert lo <= hits / n <= hi, f"{weight}: the right-sums positive kept {hits / n:.2f}"
 
 
 def test_the_loss_is_a_mean_over_the_steps_loss_tokens_and_so_are_its_metrics():

@@ -76,19 +76,6 @@ def test_answer_tags_that_do_not_pair_up_are_marked_for_the_format_penalty(tok):
     assert clean.answer_tags_match
 
 
-def test_the_first_reasonings_sums_are_counted_right_and_wrong_and_a_later_turns_are_not(tok):
-    cfg, traj = RolloutConfig(), fresh(tok)
-    first = "First, 15 - 6 = 9. Then, 9 * 7 = 64.</reason><tool_call>print(2 + 2 = 5)</tool_call>"
-    turn(tok, traj, first + IM_END, cfg)
-    assert (traj.sums_written, traj.sums_wrong) == (2, 1), "the code's '2 + 2 = 5' is not the reasoning's"
-    add_tool_turn(traj, ExecResult("ok", "63\n", "", 0.01, False), tok, cfg)
-    turn(tok, traj, "<reason>So 1 + 1 = 3.</reason><answer>\\boxed{63}</answer>" + IM_END, cfg)
-    assert (traj.sums_written, traj.sums_wrong) == (2, 1), "only the first turn's reasoning is read"
-    from rollout import trajectory_metrics
-    right = Trajectory(index=0, sums_written=3, sums_wrong=0)
-    assert trajectory_metrics([traj, right])["sums_wrong"] == 1 / 5, "wrong sums over all sums written"
-
-
 def test_turn_without_call_or_answer_is_no_tool_call(tok):
     traj = fresh(tok)
     assert turn(tok, traj, "I do not know.</reason>" + IM_END, RolloutConfig()) is None
