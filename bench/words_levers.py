@@ -4,6 +4,7 @@
     .venv/bin/python bench/words_levers.py --arms sft   # the SFT arms (21 min each at 24 steps, here)
     .venv/bin/python bench/words_levers.py --arms rl    # the RL arms, from --rl-from's SFT model
     .venv/bin/python bench/words_levers.py --arms "errors 10%,RL T 0.7"   # some, in this order
+    .venv/bin/python bench/words_levers.py --recipe runs/real_words   # demo.py --real's models, the same 300
 
 An SFT arm builds its SFT set with data/prepare_mawps.py (the same seed, so the same split: only the
 conversations change) and runs sft.py as demo.py --real does (batch 16, lr 2e-4, 10% warm-up). An RL arm
@@ -16,7 +17,9 @@ not drawn by an RL run of fewer than 850 problems. So the recipe is chosen witho
 problems. The table gives each arm's accuracy on problems of one operation and of two or more apart, its
 failing calls and lengths, how often the sums its reasoning writes are right, and (report.py's table)
 its paired gain over the first arm listed. An RL arm's earlier exports (--export-every, as "RL 24 steps"
-has) are evaluated too, a column each ("RL 24 steps @12"). A finished arm is skipped.
+has) are evaluated too, a column each ("RL 24 steps @12"), and so are the SFT model and each RL stage's
+final model of a recipe demo.py --real ran (--recipe): what its stages bought on problems none of them
+drew (its RL and its stage-3 filter read from the top of the order). A finished arm is skipped.
 """
 import argparse
 import json
@@ -89,12 +92,16 @@ RL_ARMS = {
     "RL two ops only": ["--data", f"{OUT}/train_two_ops_only.jsonl"],
 }
 parser = argparse.ArgumentParser(description="The words recipe's levers on training problems.")
-parser.add_argument("--arms", default="sft", help="comma-separated arms in the order to run, or sft, rl")
+parser.add_argument("--arms", default=None, help="comma-separated arms in the order to run, or sft, rl "
+                                                 "(default: sft, or none with --recipe)")
 parser.add_argument("--rl-from", default="stepwise", choices=list(SFT_ARMS),
                     help="the SFT arm whose model the RL arms start from")
+parser.add_argument("--recipe", default=None, help="a demo.py --real run's folder: its SFT model and its "
+                                                   "stages' final models are evaluated too, after the arms")
 args = parser.parse_args()
+args.arms = ("" if args.recipe else "sft") if args.arms is None else args.arms
 arms = {"sft": list(SFT_ARMS), "rl": list(RL_ARMS)}.get(args.arms)
-arms = arms or [arm.strip() for arm in args.arms.split(",")]
+arms = arms or [arm.strip() for arm in args.arms.split(",") if arm.strip()]
 if unknown := [a for a in arms if a not in SFT_ARMS and a not in RL_ARMS]:
     sys.exit(f"words_levers: no arm {unknown}\n---> HINT: the arms are {', '.join([*SFT_ARMS, *RL_ARMS])}")
 
@@ -160,7 +167,7 @@ def evaluate(model: str, out_dir: str, problems: str):
          "--max-response", "384", "--kv-cache-tokens", "65536", "--max-turns", "6"], f"{out_dir}/table.json")
 
 
-columns, runs = {}, {}  # a column's evaluation; its arm and the RL steps it holds (None: all)
+columns, runs = {}, {}  # a column's evaluation; its run's metrics and the steps it holds (None: all)
 for arm in arms:
     if arm in SFT_ARMS:
         prepare, sft = SFT_ARMS[arm]
@@ -184,10 +191,24 @@ for arm in arms:
                          if name.startswith("hf_step_"))
         for step in exports[:-1]:  # an arm's earlier exports (--export-every): what its later steps bought
             label = f"{arm} @{step}"
-            columns[label], runs[label] = f"{folder(arm)}/eval_step_{step}", (arm, step)
+            columns[label] = f"{folder(arm)}/eval_step_{step}"
+            runs[label] = (f"{folder(arm)}/metrics.jsonl", step)
             evaluate(f"{folder(arm)}/hf_step_{step}", columns[label], evaluated)
-    columns[arm], runs[arm] = f"{folder(arm)}/eval", (arm, None)
+    metrics = f"{folder(arm)}/{'sft/' if arm in SFT_ARMS else ''}metrics.jsonl"  # (SFT's or RL's steps)
+    columns[arm], runs[arm] = f"{folder(arm)}/eval", (metrics, None)
     evaluate(model, columns[arm], evaluated)
+if args.recipe:  # a recipe's models, each stage's after its last step
+    name = os.path.basename(os.path.normpath(args.recipe))
+    stages = sorted(d for d in os.listdir(args.recipe) if d.startswith("stage") and d[5:].isdigit())
+    for stage in ["sft", *stages]:
+        model = f"{args.recipe}/{stage}" + ("/final" if stage != "sft" else "")
+        if not os.path.exists(f"{model}/config.json"):
+            sys.exit(f"words_levers: {model} is not there\n"
+                     f"---> HINT: finish the recipe first: .venv/bin/python demo.py --real")
+        label = f"{name} {stage}"
+        columns[label] = f"{OUT}/recipe_{name}/eval_{stage}"
+        runs[label] = (f"{args.recipe}/{stage}/metrics.jsonl", None)
+        evaluate(model, columns[label], slice_file)
 
 
 def second_step(eval_dir: str) -> tuple[float, float, float, float]:
@@ -221,8 +242,7 @@ for label, eval_dir in columns.items():
         continue
     with open(f"{eval_dir}/table.json") as f:
         table = json.load(f)["table"][0]
-    arm, steps = runs[label]
-    metrics = f"{folder(arm)}/{'sft/' if arm in SFT_ARMS else ''}metrics.jsonl"  # (SFT's or RL's steps)
+    metrics, steps = runs[label]
     with open(metrics) as f:  # (an RL step's rollout, update and weight sync)
         seconds = [row.get("seconds") or row["rollout_seconds"] + row["train_seconds"] + row["sync_seconds"]
                    for row in map(json.loads, f)][:steps]
