@@ -66,6 +66,9 @@ SFT_ARMS = {
     # the same list, at the end of the question: a cue the policy reads but cannot rewrite
     "numbers in question": (["--style", "stepwise", "--error-share", "0.1", "--numbers-in-question"],
                             ["--max-steps", "24"]),
+    # the epoch with each operation after the question's words for the numbers it brings in ("he spent
+    # $24 on video": 84 - 24 = 60): the verb that decides an operation next to the sum it decides
+    "quoted": (["--style", "quoted", "--error-share", "0.1"], ["--max-steps", "75"]),
 }
 # An RL arm: its train.py flags over RL's (a later flag wins).
 RL_ARMS = {
@@ -102,6 +105,8 @@ RL_ARMS = {
     # between the step size that lost (5e-5) and the recipe's, which gained: +2.8, two or more operations
     # +4.1 (SE 3.3), the reasoning's sums right 34% (53% at 1e-5)
     "RL lr 2e-5": ["--lr", "2e-5", "--steps", "14"],
+    # the words recipe's stage 1 (demo.py --real): from another SFT arm than the recipe's own
+    "RL stage 1": ["--lr", "1e-5", "--steps", "14"],
 }
 parser = argparse.ArgumentParser(description="The words recipe's levers on training problems.")
 parser.add_argument("--arms", default=None, help="comma-separated arms in the order to run, or sft, rl "

@@ -19,7 +19,10 @@ What it writes into --out, deterministically from --seed:
      answer is 9 * 7 = 63."; `answer = step1 * 7`); --style counted: stepwise after a sentence that
      lists the problem's numbers ("The numbers are 15, 6 and 7."), the cue for a second operation;
      --style symbolic: stepwise's code lines as the reasoning, no value written ("First, step1 =
-     15 - 6. Then, step2 = step1 * 7.");
+     15 - 6. Then, step2 = step1 * 7."); --style quoted: stepwise, each operation after the question's
+     words for the numbers it brings in ('First, "Ned had 15 video games" and "video games but 6 of
+     them": 15 - 6 = 9. Then, "games for $7 each": 7 * 9 = 63.'), the words that decide an operation
+     next to its sum;
      --style named: a reasoning in words (which quantities combine and why, never the result), and
      code that names each quantity from the problem's words (`books = 56`, `bookshelves = 9`,
      `total_books = books * bookshelves`);
@@ -137,6 +140,27 @@ def asked_noun(ask: str) -> str:
     return ""
 
 
+def quote(question: str, numbers: list[str], leaf: str) -> str:
+    """The words around a number where the question states it, in its clause: at most three words before
+    it and two after ("he spent $24 on video games" -> "he spent $24 on video"), so that the verb that
+    decides an operation (spent, deleted, each) stands next to the sum it decides; the bare number when
+    the question's text does not hold its mask."""
+    tokens = question.split()
+    if leaf not in tokens:
+        return number_text(numbers[int(leaf[6:])])
+    at = tokens.index(leaf)
+    start, end = max(0, at - 3), min(len(tokens), at + 3)
+    for i in range(at - 1, start - 1, -1):  # (a clause ends at punctuation)
+        if re.fullmatch(r"[.,?!;:]", tokens[i]):
+            start = i + 1
+            break
+    for i in range(at + 1, end):
+        if re.fullmatch(r"[.,?!;:]", tokens[i]):
+            end = i
+            break
+    return detokenize(unmask(" ".join(tokens[start:end]), numbers))
+
+
 def said(numbers: list[str]) -> str:
     """A problem's numbers as a sentence lists them: "9, 27 and 20"."""
     listed = [number_text(n) for n in numbers]
@@ -170,7 +194,7 @@ def convert(record: dict, style: str = "stepwise", cue: bool = False) -> tuple[s
         return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else float("nan")}[node[0]]
 
     # a number as printed, a result by its value
-    if style in ("formulaic", "stepwise", "counted", "symbolic"):
+    if style in ("formulaic", "stepwise", "counted", "symbolic", "quoted"):
         def shown(node):
             if isinstance(node, str):
                 return number_text(numbers[int(node[6:])])
@@ -181,6 +205,14 @@ def convert(record: dict, style: str = "stepwise", cue: bool = False) -> tuple[s
             reasoning = f"The numbers are {said(numbers)}. {reasoning}"
         if style == "symbolic":
             reasoning = symbolic(steps)
+        if style == "quoted":  # each operation after the question's words for the numbers it brings in
+            sentences = []
+            for i, (op, (_, expression, result)) in enumerate(zip(operations, steps)):
+                quoted = " and ".join(f'"{quote(record["Question"], numbers, leaf)}"'
+                                      for leaf in op[1:] if isinstance(leaf, str))
+                sentences.append(f"{'Then,' if i else 'First,'} {quoted + ': ' if quoted else ''}"
+                                 f"{expression} = {result}.")
+            reasoning = " ".join(sentences)
         return question, reasoning, steps, answer, len(operations)
     names = leaf_names(record["Question"], numbers, leaves)
     steps = [(names[leaf], number_text(numbers[int(leaf[6:])]), number_text(numbers[int(leaf[6:])]))
@@ -231,14 +263,15 @@ def main():
     parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
     parser.add_argument("--n-sft", type=int, default=1200,
                         help="problems whose equations become SFT conversations")
-    parser.add_argument("--style", choices=["stepwise", "formulaic", "named", "counted", "symbolic"],
+    parser.add_argument("--style", choices=["stepwise", "formulaic", "named", "counted", "symbolic", "quoted"],
                         default="stepwise",
                         help="stepwise: each operation on numbers, a step in the reasoning and the code "
                              "(6.7 points over formulaic on training problems: docs/words.md); formulaic: "
                              "the last step the answer's sentence; named: each quantity a Python name from "
                              "the problem's words; counted: stepwise after the problem's numbers listed; "
                              "symbolic: stepwise's code lines as the reasoning, no value written (10.5 "
-                             "points below stepwise after 48 SFT steps)")
+                             "points below stepwise after 48 SFT steps); quoted: stepwise, each operation "
+                             "after the question's words for the numbers it brings in")
     parser.add_argument("--error-share", type=float, default=0.1, help="share of SFT conversations whose "
                         "first call fails and is fixed (a quarter was 4.3 points worse on training "
                         "problems: docs/words.md)")

@@ -123,6 +123,20 @@ def test_the_symbolic_style_writes_the_codes_lines_as_its_reasoning_and_no_value
     assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
 
 
+def test_the_quoted_style_puts_the_questions_words_for_each_new_number_before_its_operation(sandbox):
+    _, reasoning, steps, answer, _ = convert(BRYAN, "quoted")
+    assert reasoning == 'First, "If Bryan has 56 books in" and "each of his 9 bookshelves": 56 * 9 = 504.', \
+        "three words before a number and two after, cut where its clause ends"
+    assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)", "the code is stepwise's"
+    _, reasoning, steps, answer, _ = convert(CONNER, "quoted")
+    assert reasoning == ('First, "month he spends 1500 dollars" and "his account after 8 months": 1500 * 8 = 12000. '
+                         'Then, "Conner has 25000 dollars in": 25000 - 12000 = 13000.'), \
+        "a step quotes only the numbers it brings in, not the earlier result"
+    code = chain_code(steps)
+    assert code == "step1 = 1500 * 8\nstep2 = 25000 - step1\nprint(step2)"
+    assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
+
+
 def test_the_counted_style_lists_the_problems_numbers_before_the_steps():
     _, reasoning, steps, _, _ = convert(BRYAN, "counted")
     assert reasoning == "The numbers are 56 and 9. First, 56 * 9 = 504."
