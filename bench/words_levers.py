@@ -69,6 +69,10 @@ SFT_ARMS = {
     # the epoch with each operation after the question's words for the numbers it brings in ("he spent
     # $24 on video": 84 - 24 = 60): the verb that decides an operation next to the sum it decides
     "quoted": (["--style", "quoted", "--error-share", "0.1"], ["--max-steps", "75"]),
+    # a second epoch from the epoch's model, in the order a two-epoch run's second epoch draws (seed 0 + 1),
+    # its learning rate warmed up and decayed again: does more SFT still move two-operation problems?
+    "second epoch": (["--style", "stepwise", "--error-share", "0.1"],
+                     ["--max-steps", "75", "--model", f"{OUT}/epoch/sft", "--seed", "1"]),
 }
 # An RL arm: its train.py flags over RL's (a later flag wins).
 RL_ARMS = {
