@@ -67,10 +67,10 @@ SFT_ARMS = {
     "numbers in question": (["--style", "stepwise", "--error-share", "0.1", "--numbers-in-question"],
                             ["--max-steps", "24"]),
     # the epoch with each operation after the question's words for the numbers it brings in ("he spent
-    # $24 on video": 84 - 24 = 60): the verb that decides an operation next to the sum it decides
+    # $24 on video": 84 - 24 = 60), the verb that decides an operation next to its sum: -15.8
     "quoted": (["--style", "quoted", "--error-share", "0.1"], ["--max-steps", "75"]),
     # a second epoch from the epoch's model, in the order a two-epoch run's second epoch draws (seed 0 + 1),
-    # its learning rate warmed up and decayed again: does more SFT still move two-operation problems?
+    # its learning rate warmed up and decayed again: +11.7, two or more operations +11.7 (docs/words.md)
     "second epoch": (["--style", "stepwise", "--error-share", "0.1"],
                      ["--max-steps", "75", "--model", f"{OUT}/epoch/sft", "--seed", "1"]),
 }
@@ -109,7 +109,8 @@ RL_ARMS = {
     # between the step size that lost (5e-5) and the recipe's, which gained: +2.8, two or more operations
     # +4.1 (SE 3.3), the reasoning's sums right 34% (53% at 1e-5)
     "RL lr 2e-5": ["--lr", "2e-5", "--steps", "14"],
-    # the words recipe's stage 1 (demo.py --real): from another SFT arm than the recipe's own
+    # the words recipe's stage 1 (demo.py --real) from another SFT arm than the recipe's own: from
+    # "second epoch" +0.5 (SE 1.4), where from the epoch's model it gained +3.5
     "RL stage 1": ["--lr", "1e-5", "--steps", "14"],
 }
 parser = argparse.ArgumentParser(description="The words recipe's levers on training problems.")
@@ -193,6 +194,10 @@ for arm in arms:
     if arm in SFT_ARMS:
         prepare, sft = SFT_ARMS[arm]
         data, model = f"{folder(arm)}/data", f"{folder(arm)}/sft"
+        start = sft[sft.index("--model") + 1] if "--model" in sft else SMOL
+        if start != SMOL and not os.path.exists(f"{start}/config.json"):
+            sys.exit(f"words_levers: {arm} starts from {start}, which is not there\n"
+                     f"---> HINT: run the SFT arm it continues first: --arms \"epoch,{arm}\"")
         run(["data/prepare_mawps.py", "--csv", MAWPS, "--out", data, *prepare], f"{data}/sft.jsonl")
         run(["sft.py", "--model", SMOL, "--data", f"{data}/sft.jsonl", "--out-dir", model, *SFT, *sft],
             f"{model}/model.safetensors")
