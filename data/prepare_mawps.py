@@ -263,8 +263,8 @@ def main():
     parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
     parser.add_argument("--n-sft", type=int, default=1200,
                         help="problems whose equations become SFT conversations")
-    parser.add_argument("--style", choices=["stepwise", "formulaic", "named", "counted", "symbolic", "quoted"],
-                        default="stepwise",
+    parser.add_argument("--style", default="stepwise",
+                        choices=["stepwise", "formulaic", "named", "counted", "symbolic", "quoted"],
                         help="stepwise: each operation on numbers, a step in the reasoning and the code "
                              "(6.7 points over formulaic on training problems: docs/words.md); formulaic: "
                              "the last step the answer's sentence; named: each quantity a Python name from "

@@ -129,8 +129,8 @@ def test_the_quoted_style_puts_the_questions_words_for_each_new_number_before_it
         "three words before a number and two after, cut where its clause ends"
     assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)", "the code is stepwise's"
     _, reasoning, steps, answer, _ = convert(CONNER, "quoted")
-    assert reasoning == ('First, "month he spends 1500 dollars" and "his account after 8 months": 1500 * 8 = 12000. '
-                         'Then, "Conner has 25000 dollars in": 25000 - 12000 = 13000.'), \
+    assert reasoning == ('First, "month he spends 1500 dollars" and "his account after 8 months": '
+                         '1500 * 8 = 12000. Then, "Conner has 25000 dollars in": 25000 - 12000 = 13000.'), \
         "a step quotes only the numbers it brings in, not the earlier result"
     code = chain_code(steps)
     assert code == "step1 = 1500 * 8\nstep2 = 25000 - step1\nprint(step2)"
