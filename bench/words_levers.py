@@ -74,6 +74,8 @@ SFT_ARMS = {
     "second epoch": (["--style", "stepwise", "--error-share", "0.1"],
                      ["--max-steps", "75", "--model", f"{OUT}/epoch/sft", "--seed", "1"]),
 }
+# The words recipe's stage 1 (demo.py --real) over RL's; the arms from it move one setting more.
+STAGE1 = ["--lr", "1e-5", "--steps", "14"]
 # An RL arm: its train.py flags over RL's (a later flag wins).
 RL_ARMS = {
     "RL base": [],
@@ -101,17 +103,17 @@ RL_ARMS = {
     # problems: the same rollouts and update a step, and a two-operation problem that 8 rollouts
     # solve 0 or 8 times is more often mixed in 16, with 8 kept to weigh its operations (+2.0; two or
     # more operations +0.9, SE 3.7: docs/words.md)
-    "RL 16 rollouts": ["--lr", "1e-5", "--steps", "14", "--problems-per-step", "4",
-                       "--rollouts-per-problem", "16", "--group-size", "8"],
+    "RL 16 rollouts": [*STAGE1, "--problems-per-step", "4", "--rollouts-per-problem", "16",
+                       "--group-size", "8"],
     # the recipe's stage 1 on two-operation problems alone: at 5e-5 (from 24 SFT steps) their accuracy
     # did not move; at 1e-5 neither (0.0), and one-operation samples took a second step (11% -> 64%)
-    "RL two ops only 1e-5": ["--lr", "1e-5", "--steps", "14", "--data", f"{OUT}/train_two_ops_only.jsonl"],
+    "RL two ops only 1e-5": [*STAGE1, "--data", f"{OUT}/train_two_ops_only.jsonl"],
     # between the step size that lost (5e-5) and the recipe's, which gained: +2.8, two or more operations
     # +4.1 (SE 3.3), the reasoning's sums right 34% (53% at 1e-5)
-    "RL lr 2e-5": ["--lr", "2e-5", "--steps", "14"],
-    # the words recipe's stage 1 (demo.py --real) from another SFT arm than the recipe's own: from
-    # "second epoch" +0.5 (SE 1.4), where from the epoch's model it gained +3.5
-    "RL stage 1": ["--lr", "1e-5", "--steps", "14"],
+    "RL lr 2e-5": [*STAGE1, "--lr", "2e-5"],
+    # the recipe's stage 1 from another SFT arm than the recipe's own: from "second epoch" +0.5 (SE 1.4),
+    # where from the epoch's model it gained +3.5
+    "RL stage 1": STAGE1,
 }
 parser = argparse.ArgumentParser(description="The words recipe's levers on training problems.")
 parser.add_argument("--arms", default=None, help="comma-separated arms in the order to run, or sft, rl "
