@@ -3,23 +3,24 @@
     .venv/bin/python data/prepare_real.py --out runs/real/artefacts   # SmolLM2-135M-Instruct, once
     .venv/bin/python bench/words_levers.py --arms sft   # the SFT arms (21 min each at 24 steps, here)
     .venv/bin/python bench/words_levers.py --arms rl    # the RL arms, from --rl-from's SFT model
-    .venv/bin/python bench/words_levers.py --arms "errors 10%,RL T 0.7"   # some, in this order
+    .venv/bin/python bench/words_levers.py --arms "stepwise,RL T 0.7"   # some, in this order
     .venv/bin/python bench/words_levers.py --recipe runs/real_words   # demo.py --real's models, the same 300
 
 An SFT arm builds its SFT set with data/prepare_mawps.py (the same seed, so the same split: only the
-conversations change) and runs sft.py as demo.py --real does (batch 16, lr 2e-4, 10% warm-up). An RL arm
-runs train.py's stage 1 from one SFT arm's model (--rl-from; from another arm than stepwise, in a folder
-of its own) with one setting moved from the base (8 problems x 8 rollouts kept 4 by RoC, temperature
-1.0, lr 5e-5, 320 tokens, T = 3, dynamic sampling with 2 draws, 12 steps). Every model is evaluated as
-demo.py evaluates (temperature 0.6, 384 tokens, T = 6), with 2 samples, on the last 300 problems of
-data/mawps/train.jsonl in train.py's data order (seed 0, first epoch): RL problems, never SFT ones, and
-not drawn by an RL run of fewer than 850 problems. So the recipe is chosen without the held-out
-problems. The table gives each arm's accuracy on problems of one operation and of two or more apart, its
-failing calls and lengths, how often the sums its reasoning writes are right, and (report.py's table)
-its paired gain over the first arm listed. An RL arm's earlier exports (--export-every, as "RL 24 steps"
-has) are evaluated too, a column each ("RL 24 steps @12"), and so are the SFT model and each RL stage's
-final model of a recipe demo.py --real ran (--recipe): what its stages bought on problems none of them
-drew (its RL and its stage-3 filter read from the top of the order). A finished arm is skipped.
+conversations change; the arms of the other SFT styles are in git history at ca5a665) and runs sft.py as
+demo.py --real does (batch 16, lr 2e-4, 10% warm-up). An RL arm runs train.py's stage 1 from one SFT arm's
+model (--rl-from; from another arm than stepwise, in a folder of its own) with one setting moved from the
+base (8 problems x 8 rollouts kept 4 by RoC, temperature 1.0, lr 5e-5, 320 tokens, T = 3, dynamic sampling
+with 2 draws, 12 steps). Every model is evaluated as demo.py evaluates (temperature 0.6, 384 tokens,
+T = 6), with 2 samples, on the last 300 problems of data/mawps/train.jsonl in train.py's data order (seed
+0, first epoch): RL problems, never SFT ones, and not drawn by an RL run of fewer than 850 problems. So
+the recipe is chosen without the held-out problems. The table gives each arm's accuracy on problems of one
+operation and of two or more apart, its failing calls and lengths, how often the sums its reasoning writes
+are right, and (report.py's table) its paired gain over the first arm listed. An RL arm's earlier exports
+(--export-every, as "RL 24 steps" has) are evaluated too, a column each ("RL 24 steps @12"), and so are
+the SFT model and each RL stage's final model of a recipe demo.py --real ran (--recipe): what its stages
+bought on problems none of them drew (its RL and its stage-3 filter read from the top of the order). A
+finished arm is skipped.
 """
 import argparse
 import json
@@ -47,31 +48,18 @@ RL = ["--steps", "12", "--max-response", "320", "--max-turns", "3", "--problems-
       "--sample-every", "5", "--resume", "1"]
 # An SFT arm: its data/prepare_mawps.py flags and its sft.py flags (a later flag wins over SFT's).
 SFT_ARMS = {
-    "named 24": (["--style", "named"], ["--max-steps", "24"]),
-    "errors 25%": (["--style", "formulaic", "--error-share", "0.25"], ["--max-steps", "24"]),
-    "errors 10%": (["--style", "formulaic", "--error-share", "0.1"], ["--max-steps", "24"]),
-    "two ops half": (["--style", "formulaic", "--error-share", "0.1", "--multi-share", "0.5"],
-                     ["--max-steps", "24"]),
-    "stepwise": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "24"]),
-    "errors 0%": (["--style", "stepwise", "--error-share", "0"], ["--max-steps", "24"]),
-    "48 steps": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "48"]),
-    # stepwise's code lines as the reasoning: RL changed the sums no reward reads (docs/words.md)
-    "symbolic 48": (["--style", "symbolic", "--error-share", "0.1"], ["--max-steps", "48"]),
+    "stepwise": (["--error-share", "0.1"], ["--max-steps", "24"]),
+    "errors 0%": (["--error-share", "0"], ["--max-steps", "24"]),
+    "48 steps": (["--error-share", "0.1"], ["--max-steps", "48"]),
     # twice the learning rate at 48 steps: compare with "48 steps"
-    "lr 4e-4": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "48", "--lr", "4e-4"]),
+    "lr 4e-4": (["--error-share", "0.1"], ["--max-steps", "48", "--lr", "4e-4"]),
     # a whole epoch (1,194 conversations in steps of 16): the recipe's SFT since it gained on "48 steps"
-    "epoch": (["--style", "stepwise", "--error-share", "0.1"], ["--max-steps", "75"]),
-    # the problem's numbers listed first: RL learned how often to write a second step, not when
-    "counted": (["--style", "counted", "--error-share", "0.1"], ["--max-steps", "24"]),
-    # the same list, at the end of the question: a cue the policy reads but cannot rewrite
-    "numbers in question": (["--style", "stepwise", "--error-share", "0.1", "--numbers-in-question"],
-                            ["--max-steps", "24"]),
-    # the epoch with each operation after the question's words for the numbers it brings in ("he spent
-    # $24 on video": 84 - 24 = 60), the verb that decides an operation next to its sum: -15.8
-    "quoted": (["--style", "quoted", "--error-share", "0.1"], ["--max-steps", "75"]),
+    "epoch": (["--error-share", "0.1"], ["--max-steps", "75"]),
+    # the problem's numbers listed at the end of the question: a cue the policy reads but cannot rewrite
+    "numbers in question": (["--error-share", "0.1", "--numbers-in-question"], ["--max-steps", "24"]),
     # a second epoch from the epoch's model, in the order a two-epoch run's second epoch draws (seed 0 + 1),
     # its learning rate warmed up and decayed again: +11.7, two or more operations +11.7 (docs/words.md)
-    "second epoch": (["--style", "stepwise", "--error-share", "0.1"],
+    "second epoch": (["--error-share", "0.1"],
                      ["--max-steps", "75", "--model", f"{OUT}/epoch/sft", "--seed", "1"]),
 }
 # The words recipe's stage 1 (demo.py --real) over RL's; the arms from it move one setting more.

@@ -2,16 +2,13 @@
 
 A chain is a list of steps (name, expression, result): `clips_in_may = 48 / 2`, then
 `total = 48 + clips_in_may`. data/prepare_gsm8k.py reads its chains from GSM8K's calculator
-annotations, data/prepare_mawps.py from MAWPS's and ASDiv-A's prefix equations; both then use one of
-the styles (--style in both scripts), and then the rest:
-1. named: quantity_name, a Python name for a quantity from the words next to it ("24 clips in May"
-   -> clips_in_may), unique in the chain; the reasoning says in words what combines and why;
-   formulaic: the reasoning states each operation on numbers and its value ("First, 15 - 6 = 9. So
-   the answer is 9 * 7 = 63.") and the code repeats it (`step1 = 15 - 6`, `answer = step1 * 7`);
-   stepwise: the same, every operation a step ("First, 15 - 6 = 9. Then, 9 * 7 = 63.");
-   symbolic: stepwise's steps without their values, the code's own lines ("First, step1 = 15 - 6.
-   Then, step2 = step1 * 7."), so that every token of the reasoning is one the answer depends on.
-   A 135M model copies the last three far better (docs/words.md: "Named or formulaic");
+annotations, data/prepare_mawps.py from MAWPS's and ASDiv-A's prefix equations, each in its style:
+1. GSM8K's: the solution's sentences, and quantity_name for each quantity ("24 clips in May" ->
+   clips_in_may, unique in the chain); MAWPS's, stepwise: the reasoning states each operation on
+   numbers and its value, every operation a step ("First, 15 - 6 = 9. Then, 9 * 7 = 63."), and the
+   code repeats it (`step1 = 15 - 6`, `step2 = step1 * 7`). A 135M model copies numbers it has just
+   read far better than names it makes up (docs/words.md, "The SFT style"; the other styles are in
+   git history at ca5a665);
 2. chain_code: the code of the chain, each step a named line, a number that an earlier step computed
    used by that step's name, the last result printed;
 3. broken_code: a first call that fails (an unclosed parenthesis, or a name never defined), which
@@ -43,16 +40,16 @@ class Skip(Exception):
     """A solution that cannot be turned into a conversation; the message is the counted reason."""
 
 
-def quantity_name(words: str, used: set, fallback: str, stop: set = frozenset(), most: int = 3) -> str:
+def quantity_name(words: str, used: set, fallback: str, most: int = 3) -> str:
     """A Python name from the first words of `words` ("clips in May." -> clips_in_may): leading
-    filler words skipped, at most `most` words, up to punctuation, a number or a word in `stop`;
-    `fallback` when the words give none. Unique in `used`, which it joins (apples, apples_2, ...)."""
+    filler words skipped, at most `most` words, up to punctuation or a number; `fallback` when the
+    words give none. Unique in `used`, which it joins (apples, apples_2, ...)."""
     picked = []
     for token in words.split():
         word = token.strip(",.;:!?()$%'\"")
-        if not NAME_WORD.fullmatch(word) or len(picked) == most or (picked and word.lower() in stop):
+        if not NAME_WORD.fullmatch(word) or len(picked) == most:
             break
-        if picked or word.lower() not in LEADING | stop:
+        if picked or word.lower() not in LEADING:
             picked.append(word.lower())
         if token[-1] in ",.;:!?)":  # (the sentence or clause ends with this word)
             break
@@ -66,15 +63,13 @@ def quantity_name(words: str, used: set, fallback: str, stop: set = frozenset(),
     return name
 
 
-def formulaic(operations: list[tuple[str, str]],
-              stepwise: bool = False) -> tuple[str, list[tuple[str, str, str]]]:
+def stepwise(operations: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str, str]]]:
     """(expression, result) per operation, in the order computed -> (the reasoning, the chain's steps).
-    The reasoning states every operation on numbers with its value, an earlier result by its value;
-    the steps are step1, step2, ... and answer, for chain_code, which puts the names back.
-    stepwise: every operation is a step of the same shape ("First, 95 - 3 = 92."; `step1 = 95 - 3`,
-    `print(step1)`), so that a sentence is a line of code, and whether a problem takes another
-    operation is said after the first one, not before it. The reasoning names no answer of its own:
-    the answer is what the code printed (measured: with a closing "So the answer is 92." the SFT
+    Every operation is a step of the same shape ("First, 95 - 3 = 92."; `step1 = 95 - 3`), its value
+    stated, an earlier result by its value; the steps are step1, step2, ... for chain_code, which puts
+    the names back and prints the last. So a sentence is a line of code, and whether a problem takes
+    another operation is said after the first one, not before it. The reasoning names no answer of its
+    own: the answer is what the code printed (measured: with a closing "So the answer is 92." the SFT
     model boxed that sentence's number, often its own wrong sum, instead of the printed one)."""
     if not operations:
         raise Skip("no calculator annotation")
@@ -84,12 +79,8 @@ def formulaic(operations: list[tuple[str, str]],
             expression = ast.unparse(ast.parse(expression, mode="eval"))  # "48/2" -> "48 / 2"
         except SyntaxError:
             raise Skip("an annotation that is not Python") from None
-        last = i == len(operations) and not stepwise
-        lead = "First," if i == 1 else "Then,"
-        if last:
-            lead = "So the answer is" if i > 1 else "The answer is"
-        sentences.append(f"{lead} {expression} = {result}.")
-        steps.append(("answer" if last else f"step{i}", expression, result))
+        sentences.append(f"{'First,' if i == 1 else 'Then,'} {expression} = {result}.")
+        steps.append((f"step{i}", expression, result))
     return " ".join(sentences), steps
 
 
@@ -124,15 +115,6 @@ def by_name(node: ast.AST, known: list) -> ast.AST:
                     return ast.Name(id=name, ctx=ast.Load())
             return constant
     return Rename().visit(node)
-
-
-def symbolic(steps: list[tuple[str, str, str]]) -> str:
-    """The symbolic style's reasoning: chain_code's lines as sentences, an earlier result by its step's
-    name and no value written. The reward reads only what the code prints, so RL was free to change the
-    sums a reasoning wrote, and did: after RL most of them were wrong. Measured, the values help more than
-    they cost: 10.5 points below stepwise after SFT, and RL then drops the second step (docs/words.md)."""
-    lines = chain_code(steps).splitlines()[:-1]  # (not the print)
-    return " ".join(f"{'Then,' if i else 'First,'} {line}." for i, line in enumerate(lines))
 
 
 def broken_code(code: str, rng: random.Random) -> str:

@@ -13,9 +13,6 @@ May." ends in "#### 72". What it writes into --out, deterministically from --see
      used by its name, and the last one is printed;
    - the tool's output as the sandbox prints it (the code is run here; nothing is invented);
    - the answer in \\boxed{}: the solution's own final answer.
-   --style formulaic instead states each annotation in the reasoning ("First, 48 / 2 = 24. So the
-   answer is 48 + 24 = 72.") and repeats it in the code (`step1 = 48 / 2`, `answer = 48 + step1`),
-   as MAWPS's default is; named stays the default here, where no measurement has chosen yet.
    A share (--error-share) first makes a call that fails (an unclosed parenthesis, or a name that
    was never defined) and fixes it in the next turn, as the toy SFT data does: RoC then has clean
    and unclean positives to choose between. A solution whose annotations do not compute its final
@@ -35,8 +32,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hub  # noqa: E402  (data/hub.py)
-from chains import (Skip, chain_code, conversations, formulaic, plan_calls, quantity_name,  # noqa: E402
-                    write_sets)
+from chains import Skip, chain_code, conversations, plan_calls, quantity_name, write_sets  # noqa: E402
 from grading import as_number  # noqa: E402
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
@@ -90,9 +86,6 @@ def main():
     parser.add_argument("--n-test", type=int, default=300, help="held-out problems (never trained on)")
     parser.add_argument("--n-sft", type=int, default=2000,
                         help="problems whose solutions become SFT conversations")
-    parser.add_argument("--style", choices=["named", "formulaic"], default="named",
-                        help="named: the solution's sentences and named quantities; formulaic: each "
-                             "annotation on numbers, in the reasoning and the code")
     parser.add_argument("--error-share", type=float, default=0.25, help="share of SFT conversations whose "
                         "first call fails and is fixed")
     parser.add_argument("--easy-steps", type=int, default=2,
@@ -113,8 +106,6 @@ def main():
     for i in sft_ids:
         try:
             reasoning, steps, final = parse_solution(rows[i]["answer"])
-            if args.style == "formulaic":
-                reasoning, steps = formulaic([(expression, result) for _, expression, result in steps])
             code = chain_code(steps)
         except Skip as e:
             counts[str(e)] += 1

@@ -13,7 +13,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]
 
 from conversation import (ToolCall, format_tool_response, parse_tool_call,  # noqa: E402
                           render_assistant_turn, render_messages)
-from chains import Skip, broken_code, chain_code, conversation, formulaic  # noqa: E402
+from chains import Skip, broken_code, chain_code, conversation  # noqa: E402
 from prepare_gsm8k import parse_solution  # noqa: E402
 
 NATALIA = dict(question="Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
@@ -50,18 +50,6 @@ def test_the_code_names_each_quantity_and_uses_an_earlier_result_by_its_name():
     # 50 and 30 are earlier results: the chain is computed, not copied; 100 and 15 come from the question
     assert chain_code(parse_solution(BETTY["answer"])[1]) == (
         "step1 = 100 / 2\nstep2 = 15 * 2\nmore = 100 - step1 - step2 - 15\nprint(more)")
-
-
-def test_the_formulaic_style_states_each_annotation_and_the_code_repeats_it_with_step_names():
-    operations = [(expression, result) for _, expression, result in parse_solution(NATALIA["answer"])[1]]
-    reasoning, steps = formulaic(operations)
-    assert reasoning == "First, 48 / 2 = 24. So the answer is 48 + 24 = 72."
-    assert chain_code(steps) == "step1 = 48 / 2\nanswer = 48 + step1\nprint(answer)"
-    reasoning, steps = formulaic([(e, r) for _, e, r in parse_solution(BETTY["answer"])[1]])
-    assert reasoning == ("First, 100 / 2 = 50. Then, 15 * 2 = 30. "
-                         "So the answer is 100 - 50 - 30 - 15 = 5.")
-    assert chain_code(steps) == ("step1 = 100 / 2\nstep2 = 15 * 2\nanswer = 100 - step1 - step2 - 15\n"
-                                 "print(answer)")
 
 
 @pytest.mark.parametrize("answer, reason", [

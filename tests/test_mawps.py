@@ -13,7 +13,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "data")]
 
 from chains import chain_code, conversation, printed_matches  # noqa: E402
 from conversation import ToolCall, parse_tool_call, render_assistant_turn  # noqa: E402
-from prepare_mawps import CSV, convert, detokenize, leaf_names, number_text  # noqa: E402
+from prepare_mawps import CSV, convert, detokenize, number_text  # noqa: E402
 
 BRYAN = {"Question": "Bryan took a look at his books as well . If Bryan has number0 books in each of his "
                      "number1 bookshelves , how many books does he have in total ?",
@@ -46,58 +46,37 @@ def test_the_detokenizer_gives_the_text_people_wrote():
     assert number_text("56.0") == "56" and number_text("10.22") == "10.22", "a whole number prints without .0"
 
 
-def test_a_one_step_problem_becomes_named_code_and_a_reasoning_that_does_not_give_the_result():
-    question, reasoning, steps, answer, operations = convert(BRYAN, "named")
+def test_a_one_step_problem_states_the_operation_and_the_conversation_shows_what_its_code_printed(sandbox):
+    question, reasoning, steps, answer, operations = convert(BRYAN)
     assert question == ("Bryan took a look at his books as well. If Bryan has 56 books in each of his 9 "
                         "bookshelves, how many books does he have in total?")
-    assert chain_code(steps) == \
-        "books = 56\nbookshelves = 9\ntotal_books = books * bookshelves\nprint(total_books)"
     assert (answer, operations) == ("504", 1)
-    assert "multiply" in reasoning and "56 books" in reasoning and "9 bookshelves" in reasoning
-    assert "504" not in reasoning, "the tool computes the result: the reasoning must not state it"
-
-
-def test_a_two_step_problem_computes_the_inner_operation_first_and_uses_it_by_name():
-    question, reasoning, steps, answer, operations = convert(CONNER, "named")
-    assert question.endswith("How much money will Conner have in his account after 8 months?")
-    assert chain_code(steps) == ("dollars = 25000\ndollars_2 = 1500\nmonths = 8\nproduct = dollars_2 * months\n"
-                                 "money_left = dollars - product\nprint(money_left)")
-    assert (answer, operations) == ("13000", 2)
-    assert reasoning.index("multiply") < reasoning.index("subtract"), "the steps are said in the order computed"
-    assert "13000" not in reasoning and "12000" not in reasoning
-    code = chain_code(convert(DAVE, "named")[2])
-    assert code.endswith("total = short_sleeve + long_sleeve\nanswer = total - washed\nprint(answer)"), \
-        "an ask without a noun ('how many did he not wash') names the result answer"
-
-
-def test_a_one_step_problem_in_the_formulaic_style_states_the_operation_and_its_code_repeats_it(sandbox):
-    question, reasoning, steps, answer, operations = convert(BRYAN, "formulaic")
-    assert question.endswith("how many books does he have in total?") and (answer, operations) == ("504", 1)
-    assert reasoning == "The answer is 56 * 9 = 504."
+    assert reasoning == "First, 56 * 9 = 504."
     code = chain_code(steps)
-    assert code == "answer = 56 * 9\nprint(answer)"
+    assert code == "step1 = 56 * 9\nprint(step1)"
     result = sandbox.run_batch([code])[0]
     messages = conversation(question, reasoning, [code], [result], answer)
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
-    assert messages[1]["content"] == "The answer is 56 * 9 = 504.</reason>"
+    assert messages[1]["content"] == "First, 56 * 9 = 504.</reason>"
     assert messages[1]["tool_call"]["code"] == code
     assert messages[2]["content"] == "504", "the tool's output is what the sandbox printed"
     assert messages[3]["content"] == "The code printed 504.</reason><answer>\\boxed{504}</answer>"
 
 
-def test_a_two_step_problem_in_the_formulaic_style_uses_the_first_result_by_its_step_name(sandbox):
-    question, reasoning, steps, answer, operations = convert(CONNER, "formulaic")
-    assert reasoning == "First, 1500 * 8 = 12000. So the answer is 25000 - 12000 = 13000."
+def test_a_two_step_problem_computes_the_inner_operation_first_and_uses_it_by_its_step_name(sandbox):
+    question, reasoning, steps, answer, operations = convert(CONNER)
+    assert question.endswith("How much money will Conner have in his account after 8 months?")
+    assert reasoning == "First, 1500 * 8 = 12000. Then, 25000 - 12000 = 13000."
     code = chain_code(steps)
-    assert code == "step1 = 1500 * 8\nanswer = 25000 - step1\nprint(answer)", \
+    assert code == "step1 = 1500 * 8\nstep2 = 25000 - step1\nprint(step2)", \
         "the inner operation comes first; its result is used by its step's name, not its value"
     result = sandbox.run_batch([code])[0]
     assert result.stdout == "13000\n" and printed_matches(result, answer) and operations == 2
-    _, reasoning, steps, _, _ = convert(DAVE, "formulaic")
-    assert reasoning == "First, 9 + 27 = 36. So the answer is 36 - 20 = 16."
-    assert chain_code(steps) == "step1 = 9 + 27\nanswer = step1 - 20\nprint(answer)"
-    _, reasoning, steps, answer, _ = convert(KENDRA, "formulaic")
-    assert reasoning == "First, 0.25 + 0.375 = 0.625. So the answer is 0.625 + 0.125 = 0.75."
+    _, reasoning, steps, _, _ = convert(DAVE)
+    assert reasoning == "First, 9 + 27 = 36. Then, 36 - 20 = 16."
+    assert chain_code(steps) == "step1 = 9 + 27\nstep2 = step1 - 20\nprint(step2)"
+    _, reasoning, steps, answer, _ = convert(KENDRA)
+    assert reasoning == "First, 0.25 + 0.375 = 0.625. Then, 0.625 + 0.125 = 0.75."
     assert sandbox.run_batch([chain_code(steps)])[0].stdout == "0.75\n" and answer == "0.75"
 
 
@@ -105,63 +84,19 @@ def test_the_stepwise_style_makes_every_operation_a_step_and_leaves_the_answer_t
     _, reasoning, steps, answer, _ = convert(BRYAN)  # (the default style)
     assert reasoning == "First, 56 * 9 = 504.", "no answer of its own: the model would box it, not the output"
     assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)", "one operation has the first step's shape"
-    _, reasoning, steps, answer, _ = convert(CONNER, "stepwise")
+    _, reasoning, steps, answer, _ = convert(CONNER)
     assert reasoning == "First, 1500 * 8 = 12000. Then, 25000 - 12000 = 13000."
     code = chain_code(steps)
     assert code == "step1 = 1500 * 8\nstep2 = 25000 - step1\nprint(step2)", "a sentence a line, in order"
     assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
 
 
-def test_the_symbolic_style_writes_the_codes_lines_as_its_reasoning_and_no_value(sandbox):
-    _, reasoning, steps, answer, _ = convert(BRYAN, "symbolic")
-    assert reasoning == "First, step1 = 56 * 9.", "no 504: the value is the code's to compute"
-    assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)"
-    _, reasoning, steps, answer, _ = convert(CONNER, "symbolic")
-    assert reasoning == "First, step1 = 1500 * 8. Then, step2 = 25000 - step1.", "an earlier result by name"
-    code = chain_code(steps)
-    assert code == "step1 = 1500 * 8\nstep2 = 25000 - step1\nprint(step2)", "the reasoning's lines, printed"
-    assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
-
-
-def test_the_quoted_style_puts_the_questions_words_for_each_new_number_before_its_operation(sandbox):
-    _, reasoning, steps, answer, _ = convert(BRYAN, "quoted")
-    assert reasoning == 'First, "If Bryan has 56 books in" and "each of his 9 bookshelves": 56 * 9 = 504.', \
-        "three words before a number and two after, cut where its clause ends"
-    assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)", "the code is stepwise's"
-    _, reasoning, steps, answer, _ = convert(CONNER, "quoted")
-    assert reasoning == ('First, "month he spends 1500 dollars" and "his account after 8 months": '
-                         '1500 * 8 = 12000. Then, "Conner has 25000 dollars in": 25000 - 12000 = 13000.'), \
-        "a step quotes only the numbers it brings in, not the earlier result"
-    code = chain_code(steps)
-    assert code == "step1 = 1500 * 8\nstep2 = 25000 - step1\nprint(step2)"
-    assert sandbox.run_batch([code])[0].stdout == "13000\n" and answer == "13000"
-
-
-def test_the_counted_style_lists_the_problems_numbers_before_the_steps():
-    _, reasoning, steps, _, _ = convert(BRYAN, "counted")
-    assert reasoning == "The numbers are 56 and 9. First, 56 * 9 = 504."
-    assert chain_code(steps) == "step1 = 56 * 9\nprint(step1)", "the code is stepwise's"
-    _, reasoning, _, _, _ = convert(DAVE, "counted")  # three numbers, two operations
-    assert reasoning == "The numbers are 9, 27 and 20. First, 9 + 27 = 36. Then, 36 - 20 = 16."
-
-
 def test_the_cue_ends_the_question_with_its_numbers_and_changes_nothing_else():
-    question, reasoning, steps, answer, operations = convert(DAVE, "stepwise", cue=True)
+    question, reasoning, steps, answer, operations = convert(DAVE, cue=True)
     assert question.endswith("? (The numbers: 9, 27 and 20.)")
     assert (question.removesuffix(" (The numbers: 9, 27 and 20.)"), reasoning, steps, answer, operations) == \
-        convert(DAVE, "stepwise")
-    assert convert(BRYAN, "stepwise", cue=True)[0].endswith("? (The numbers: 56 and 9.)")
-
-
-def test_names_come_from_the_words_next_to_each_number():
-    assert leaf_names(BRYAN["Question"], BRYAN["Numbers"].split(), ["number0", "number1"]) == \
-        {"number0": "books", "number1": "bookshelves"}, "a name stops at a filler word (books in each)"
-    assert leaf_names(KENDRA["Question"], KENDRA["Numbers"].split(), ["number0", "number1", "number2"]) == \
-        {"number0": "grape_juice", "number1": "cranberry_juice", "number2": "club_soda"}, "X of Y is named Y"
-    assert leaf_names(DAVE["Question"], DAVE["Numbers"].split(), ["number2"]) == {"number2": "washed"}, \
-        "'20 of them' names nothing after the number: the word before it does"
-    names = leaf_names(CONNER["Question"], CONNER["Numbers"].split(), ["number0", "number1"])
-    assert names == {"number0": "dollars", "number1": "dollars_2"}, "names are unique in a problem"
+        convert(DAVE)
+    assert convert(BRYAN, cue=True)[0].endswith("? (The numbers: 56 and 9.)")
 
 
 def test_the_call_parses_back_and_runs_to_the_answer(sandbox):
