@@ -4,7 +4,7 @@ turn stream by, each tool call run in the sandbox and its output come back, then
     python chat.py --model runs/toy_sft                    # type problems; Ctrl-D quits
     echo "What is 1234 * 5678?" | python chat.py --model runs/toy_sft --temperature 0
 
-The same template (conversation.py), turn logic (rollout.py), sandbox and engine (engine.py) as
+The same template (conversation.py), turn logic (rollout.py), sandbox and engine (infra/engine.py) as
 training and evaluation: this file only prints what they do, one turn at a time.
 """
 import argparse
@@ -12,7 +12,7 @@ import os
 import sys
 
 from conversation import format_tool_response
-from engine import add_engine_flags, make_engine, model_eos_ids, turn_tokens
+from infra.engine import add_engine_flags, make_engine, model_eos_ids, turn_tokens
 from rollout import (EVALUATION, add_rollout_flags, add_tool_turn, end_turn, rollout_config, sampling_params,
                      start_trajectories)
 from sandbox import Sandbox

@@ -29,12 +29,12 @@ import time
 from collections import defaultdict
 
 from conversation import prompt_ids
-from engine import add_engine_flags, make_engine, model_eos_ids
+from infra.engine import add_engine_flags, make_engine, model_eos_ids
 from rollout import (EVALUATION, STAGE_ROLLOUTS, RolloutConfig, add_rollout_flags, drop_long_prompts,
                      read_problems, rollout_config, trajectory_metrics)
-from batch import ProblemQueue
+from infra.batch import ProblemQueue
 from scheduler import rollout_scheduled
-from training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
+from infra.training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's evaluation settings; --filter-solved uses training's.

@@ -36,8 +36,8 @@ import statistics
 import time
 from collections import deque
 
-from batch import ProblemQueue
-from engine import kv_block_tokens, kv_capacity_tokens, turn_tokens
+from infra.batch import ProblemQueue
+from infra.engine import kv_block_tokens, kv_capacity_tokens, turn_tokens
 from rollout import (RolloutConfig, add_tool_turn, end_turn, sampling_params, score, start_trajectories,
                      trajectory_metrics)
 

@@ -7,13 +7,13 @@ tool call and instruction following, with the loss on assistant tokens only.
 - Defaults are the paper's: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128.
 - Conversations are rendered by conversation.render_messages: loss_mask = assistant tokens.
 - FSDP2 per decoder layer, rank 0 reading the weights (bf16 compute on GPU); `python sft.py` is a
-  group of one (training.py).
+  group of one (infra/training.py).
 - A step's batch is dealt across ranks and packed into micro-batches (training.plan_micro_batches):
   rows run back to back without padding (logprobs.token_logprobs(packed=True)).
 - Loss = mean over the step's assistant tokens (global count): any split, same gradient.
 - Without activation checkpointing, the tokens every conversation of a step starts with (the system
   prompt) run once for the step, not once per conversation (logprobs.SharedPrefix).
-- --lora-rank r trains LoRA adapters on a frozen base instead (lora.py); the export is the merged model.
+- --lora-rank r trains LoRA adapters on a frozen base instead (infra/lora.py); the export is the merged model.
 """
 import argparse
 import ctypes
@@ -29,9 +29,9 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from conversation import pad_token_id, render_messages
-from logprobs import SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs
-from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
-from training import init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
+from infra.logprobs import SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs
+from infra.lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
+from infra.training import init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
 
 try:
     LIBC = ctypes.CDLL("libc.so.6")  # glibc, whose malloc_trim returns freed pages to the system
@@ -77,7 +77,7 @@ def get_args(argv=None):
     parser.add_argument("--grad-checkpointing", type=int, default=1,
                         help="1: recompute activations in backward to save memory")
     parser.add_argument("--seed", type=int, default=0, help="seed for the data order and anything random")
-    add_lora_flags(parser)  # --lora-rank and its settings: train adapters on a frozen base (lora.py)
+    add_lora_flags(parser)  # --lora-rank and its settings: train adapters on a frozen base (infra/lora.py)
     parser.add_argument("--trim-memory", type=int, default=1,
                         help="1: on a CPU, hand the pages freed in a step back to the system after it")
     parser.add_argument("--threads", type=int, default=0,
@@ -214,7 +214,7 @@ def main(argv=None):
         print(f"model: {describe(model)}; peak learning rate {peak_lr(args):.2e}")
 
     # ---- optimizer ----
-    groups = param_groups(model, args)  # (the adapters, then what trains in full: lora.py)
+    groups = param_groups(model, args)  # (the adapters, then what trains in full: infra/lora.py)
     peaks = [group["lr"] for group in groups]
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
 

@@ -13,7 +13,7 @@ One RL step, as the step loop at the bottom of this file runs it (what comes bef
 - GRPO-RoC (grpo_roc.py): leave out what the sandbox failed, drop all-equal groups, down-sample
   each group to G, advantages.
 - The policy update, in the loop: --mini-batches optimizer steps (one, as in the paper), each on
-  micro-batches (update.py deals them across ranks by token count and packs them): the log-probs,
+  micro-batches (infra/update.py deals them across ranks by token count and packs them): the log-probs,
   GRPO-RoC's token-level clipped loss over the step's loss tokens on every rank, so any split gives
   the gradient of one big batch; backward; the clip and AdamW.
 - The weight sync: the new weights into the engine.
@@ -32,25 +32,25 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-import memory_plan
-from batch import ProblemQueue, ProblemStream, mixed_groups
+from infra import memory_plan
+from infra.batch import ProblemQueue, ProblemStream, mixed_groups
 from conversation import pad_token_id, prompt_ids
-from engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
+from infra.engine import (add_engine_flags, full_weights, kv_capacity_tokens, make_engine, model_eos_ids, sleep,
                     sync_weights, wake_for_rollout)
 from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, EPS_HIGH, EPS_LOW, MISMATCH_MODES,
                       drop_sandbox_failures, filter_void_turns, group_advantages, mismatch_correction,
                       policy_loss)
-from logprobs import token_logprobs
-from lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, trains_adapters_only
-from offload import trainer_offloaded
+from infra.logprobs import token_logprobs
+from infra.lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr, trains_adapters_only
+from infra.offload import trainer_offloaded
 from report import collapse_alarms
 from rollout import (STAGE_ROLLOUTS, add_rollout_flags, drop_long_prompts, read_problems, rollout_config,
                      trajectory_metrics)
 from sandbox import Sandbox
 from scheduler import rollout_lockstep, rollout_scheduled
-from training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
+from infra.training import (DIST_TIMEOUT_MINUTES, check_shared_dir, cpu_group, init_distributed, load_sharded_model,
                       save_checkpoint, save_hf_checkpoint, start_point)
-from update import Policy, mini_batches, step_metrics
+from infra.update import Policy, mini_batches, step_metrics
 
 # -----------------------------------------------------------------------------
 # Settings: the flags with the paper's defaults (§4.3), the stages and the presets. They are resolved
@@ -120,7 +120,7 @@ optimization.add_argument("--mini-batches", type=int, default=1,
 optimization.add_argument("--micro-batch-tokens", type=int, default=8192,
                           help="tokens per forward pass, rows packed without padding (the memory plan "
                                "assumes it)")
-add_lora_flags(optimization)  # --lora-rank and its alpha, dropout, targets and learning-rate scale (lora.py)
+add_lora_flags(optimization)  # --lora-rank and its alpha, dropout, targets and learning-rate scale (infra/lora.py)
 
 guards = parser.add_argument_group("guards beyond the paper (off by default; see grpo_roc.py)")
 guards.add_argument("--mismatch-correction", choices=MISMATCH_MODES, default="none",
@@ -179,7 +179,7 @@ for setting in args.downsample_setting:
 downsample([], args.group_size, random.Random(0), **downsample_settings)  # a bad value fails here
 
 # -----------------------------------------------------------------------------
-# The memory plan (memory_plan.py): --plan prints it and exits; on GPUs it sets the engine's share.
+# The memory plan (infra/memory_plan.py): --plan prints it and exits; on GPUs it sets the engine's share.
 
 plan_settings = dict(gpu_gib=args.gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
                      rollout_tokens=args.max_prompt + args.max_response,
@@ -214,7 +214,7 @@ check_shared_dir(args.out_dir)
 
 # -----------------------------------------------------------------------------
 # The model: FSDP2, fp32 master weights that rank 0 reads (with --lora-rank, a frozen base and fp32
-# adapters: lora.py); bf16 compute and activation checkpointing on GPUs. Then the checkpoint it
+# adapters: infra/lora.py); bf16 compute and activation checkpointing on GPUs. Then the checkpoint it
 # continues, if any, while the engine does not hold its memory yet.
 
 model = load_sharded_model(args.model, device, activation_checkpointing=device.type == "cuda",
@@ -268,7 +268,7 @@ if args.wandb and master:
     wandb_run = wandb.init(project=args.wandb, config=config)
 
 # -----------------------------------------------------------------------------
-# What the policy update's infrastructure (update.py) needs of this model. Prompts start alike (the
+# What the policy update's infrastructure (infra/update.py) needs of this model. Prompts start alike (the
 # system prompt): on CPUs that runs once per micro-batch, these probes say how far.
 
 probes = [prompt_ids(tokenizer, question, args.tools) for question in ("1", "What")]

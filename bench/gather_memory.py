@@ -35,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
 from rollout import RolloutConfig, Trajectory, score  # noqa: E402
-from batch import ProblemQueue, without_payload  # noqa: E402
-from training import plan_micro_batches  # noqa: E402
+from infra.batch import ProblemQueue, without_payload  # noqa: E402
+from infra.training import plan_micro_batches  # noqa: E402
 
 VOCAB = 151_643  # Qwen's vocabulary
 GiB, MiB = 2**30, 2**20

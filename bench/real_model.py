@@ -41,7 +41,7 @@ The last line: `real model: generation <x> tokens/s at batch <b> (<y> at batch 1
    beyond the packed one's tokens.
 5. --lora R (instead of 1 and 2): one batch of rollouts as in 3, then the update and the sync the way
    train.py runs them on CPUs, by two trainers of the same weights: full fine-tuning, and LoRA of rank R
-   (train.py --lora-rank R: lora.py's defaults; the sync merges). Alternately, --rounds times each.
+   (train.py --lora-rank R: infra/lora.py's defaults; the sync merges). Alternately, --rounds times each.
    Memory: the trainer's state (weights and AdamW moments: tensor bytes) and what an update adds to
    the process's peak RSS (reset before it: /proc/self/clear_refs). The last line: `lora rl step:
    update <x> s full, <y> s LoRA (<r> x), sync <a> / <b> s, trainer state <c> / <d> GB, update peak
@@ -69,9 +69,9 @@ SET_THREADS = torch.set_num_threads  # (vLLM's CPU worker replaces torch.set_num
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conversation import prompt_ids, render_messages  # noqa: E402
-from engine import CPU_BLOCK, kv_capacity_tokens, make_engine  # noqa: E402
-from logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs  # noqa: E402
-from training import plan_micro_batches  # noqa: E402
+from infra.engine import CPU_BLOCK, kv_capacity_tokens, make_engine  # noqa: E402
+from infra.logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs  # noqa: E402
+from infra.training import plan_micro_batches  # noqa: E402
 
 parser = argparse.ArgumentParser(description="Training and generation throughput of a real model on a CPU.")
 parser.add_argument("--model", required=True, help="HF model folder (e.g. the SmolLM2-135M-Instruct one)")
@@ -166,7 +166,7 @@ def step_problems():
     """train.py's first step on --data (its seeded epoch order), or toy problems made here."""
     if not args.data:
         return [toy_problem() for _ in range(args.problems)]
-    from batch import ProblemStream
+    from infra.batch import ProblemStream
     from rollout import read_problems
     return ProblemStream(read_problems(args.data), args.seed).take(0, args.problems)
 
@@ -194,7 +194,7 @@ def update(model, optimizer, kept, advantages, pad_id, now, clock, packed=None):
     forward ran (padding included)."""
     packed = now if packed is None else packed
     from grpo_roc import policy_loss
-    from logprobs import trajectory_tensors
+    from infra.logprobs import trajectory_tensors
     n_loss_tokens = max(1, sum(t.num_loss_tokens for t in kept))
     shared = shared_prefix_length([t.prompt_ids for t in kept]) if now else 0
     lengths = [t.prompt_length + t.response_length - shared for t in kept]
@@ -227,8 +227,8 @@ def update(model, optimizer, kept, advantages, pad_id, now, clock, packed=None):
 def trainer_and_engine(problems):
     """train.py's pieces in one process: a group of one, the engine (the first weight sync untimed),
     the FSDP2 model in fp32 and AdamW."""
-    from engine import full_weights, sync_weights
-    from training import init_distributed, load_sharded_model
+    from infra.engine import full_weights, sync_weights
+    from infra.training import init_distributed, load_sharded_model
     init_distributed()  # a group of one, as train.py makes it, for FSDP2
     max_len = max(len(prompt_ids(tok, p["question"])) for p in problems) + args.max_response
     llm = make_engine(args.model, max_model_len=max_len, seed=args.seed, kv_cache_tokens=args.kv_cache_tokens)
@@ -260,8 +260,8 @@ def update_start(model, optimizer):
 
 def rl_step():
     """(3): both ways' phases, back to back; the table, then `rl step speedup: x`."""
-    from batch import ProblemQueue
-    from engine import full_weights, model_eos_ids, sync_weights
+    from infra.batch import ProblemQueue
+    from infra.engine import full_weights, model_eos_ids, sync_weights
     from rollout import RolloutConfig
     from sandbox import Sandbox
     from scheduler import rollout_scheduled
@@ -321,8 +321,8 @@ def rl_step():
 def one_batch():
     """The trainer and the engine, and one batch of rollouts of train.py's first step kept by GRPO-RoC:
     (llm, model, optimizer, kept, advantages, pad_id)."""
-    from batch import ProblemQueue
-    from engine import model_eos_ids
+    from infra.batch import ProblemQueue
+    from infra.engine import model_eos_ids
     from rollout import RolloutConfig
     from sandbox import Sandbox
     from scheduler import rollout_scheduled
@@ -384,9 +384,9 @@ def rss_gb(field: str) -> float:
 def lora_step():
     """(5): one batch of rollouts; the update and the sync of full fine-tuning and of rank --lora LoRA,
     alternately, --rounds times each; the table, then `lora rl step: ...`."""
-    from engine import full_weights, sync_weights
-    from lora import DEFAULTS, describe, trainable
-    from training import load_sharded_model
+    from infra.engine import full_weights, sync_weights
+    from infra.lora import DEFAULTS, describe, trainable
+    from infra.training import load_sharded_model
     llm, model, optimizer, kept, advantages, pad_id = one_batch()
     settings = dict(r=args.lora, lora_alpha=DEFAULTS["lora_alpha"], lora_dropout=DEFAULTS["lora_dropout"],
                     target_modules=DEFAULTS["lora_targets"])

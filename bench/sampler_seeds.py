@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from conversation import prompt_ids  # noqa: E402
-from engine import make_engine  # noqa: E402
+from infra.engine import make_engine  # noqa: E402
 
 parser = argparse.ArgumentParser(description="Decode-step time with and without a seed per request.")
 parser.add_argument("--model", required=True, help="HF model folder (the toy SFT model, SmolLM2, ...)")

@@ -49,7 +49,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from engine import CPU_BLOCK, kv_capacity_tokens, make_engine, turn_tokens  # noqa: E402
+from infra.engine import CPU_BLOCK, kv_capacity_tokens, make_engine, turn_tokens  # noqa: E402
 from conversation import IM_END, render_tool_call, render_tool_turn  # noqa: E402
 from rollout import (RolloutConfig, add_tool_turn, end_turn, sampling_params, score,  # noqa: E402
                      start_trajectories, trajectory_metrics)

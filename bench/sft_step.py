@@ -22,8 +22,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from conversation import pad_token_id, prompt_ids, render_messages  # noqa: E402
-from logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs  # noqa: E402
-from training import plan_micro_batches  # noqa: E402
+from infra.logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs  # noqa: E402
+from infra.training import plan_micro_batches  # noqa: E402
 
 parser = argparse.ArgumentParser(description="An SFT step's tokens, and its time padded against packed.")
 parser.add_argument("--model", required=True, help="the model sft.py trains")

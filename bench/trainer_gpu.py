@@ -9,7 +9,7 @@ on a random-weight Qwen3 of published dims (nothing is downloaded), padded again
 1. The model: Qwen3 of the dims the hub publishes (QWEN3 below), random bf16 weights written once to
    --work-dir, loaded by training.load_sharded_model as train.py loads it: fp32 master weights, FSDP2
    over one rank, bf16 compute and activation checkpointing on GPUs. With --lora-rank (and train.py's
-   other LoRA flags: lora.py) a frozen bf16 base and fp32 adapters, AdamW over the adapters alone.
+   other LoRA flags: infra/lora.py) a frozen bf16 base and fp32 adapters, AdamW over the adapters alone.
 2. The batch: an RL step's, --rollouts rollouts (2G per problem) of --min-tokens to --max-tokens
    response tokens after a shared --prompt-tokens prompt; tool outputs every few hundred tokens,
    masked out of the loss as rollout.py masks them; random rewards and tool failures; GRPO-RoC keeps
@@ -39,13 +39,13 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import memory_plan  # noqa: E402
-from offload import trainer_offloaded  # noqa: E402
-from lora import add_lora_flags, describe, lora_settings, trainable  # noqa: E402
+from infra import memory_plan  # noqa: E402
+from infra.offload import trainer_offloaded  # noqa: E402
+from infra.lora import add_lora_flags, describe, lora_settings, trainable  # noqa: E402
 from grpo_roc import group_advantages, policy_loss, resample_on_correct  # noqa: E402
-from logprobs import right_pad, token_logprobs, trajectory_tensors  # noqa: E402
+from infra.logprobs import right_pad, token_logprobs, trajectory_tensors  # noqa: E402
 from rollout import Trajectory  # noqa: E402
-from training import init_distributed, load_sharded_model, plan_micro_batches  # noqa: E402
+from infra.training import init_distributed, load_sharded_model, plan_micro_batches  # noqa: E402
 
 QWEN3_COMMON = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)
 QWEN3 = {  # the hub's config.json values
@@ -79,7 +79,7 @@ parser.add_argument("--peak-tflops", type=float, default=None,
 parser.add_argument("--work-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "rstar2-agent",
                                                        "bench-models"), help="where the random models are")
 parser.add_argument("--seed", type=int, default=0, help="the weights', the batch's and the adapters' seed")
-add_lora_flags(parser)  # --lora-rank r: the update of LoRA adapters on a frozen base (lora.py)
+add_lora_flags(parser)  # --lora-rank r: the update of LoRA adapters on a frozen base (infra/lora.py)
 args = parser.parse_args()
 
 

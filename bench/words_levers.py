@@ -34,7 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
-from batch import ProblemStream  # noqa: E402  (the order train.py draws problems in)
+from infra.batch import ProblemStream  # noqa: E402  (the order train.py draws problems in)
 import report  # noqa: E402
 
 OUT, SMOL = "runs/words_levers", "runs/real/artefacts/smollm2-135m-instruct"

@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conversation import format_tool_response, tool_call  # noqa: E402
-from grading import as_number  # noqa: E402
+from rollout import as_number  # noqa: E402
 
 NAME_WORD = re.compile(r"[A-Za-z]+")
 # Words that do not start a name: "48 of her friends" is named friends, not of_her_friends.

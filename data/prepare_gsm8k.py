@@ -33,7 +33,7 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hub  # noqa: E402  (data/hub.py)
 from chains import Skip, chain_code, conversations, plan_calls, quantity_name, write_sets  # noqa: E402
-from grading import as_number  # noqa: E402
+from rollout import as_number  # noqa: E402
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
 ANNOTATION = re.compile(r"<<([^=<>]*)=([^<>]*)>>")

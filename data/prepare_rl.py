@@ -35,7 +35,7 @@ from datasets.exceptions import DatasetsError
 import hub
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grading import as_number  # noqa: E402
+from rollout import as_number  # noqa: E402
 
 
 # -----------------------------------------------------------------------------

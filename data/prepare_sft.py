@@ -24,7 +24,7 @@ How a record becomes messages (conversation.render_messages renders them):
    a final reply is "</reason><answer>REPLY</answer>"; a turn that calls a tool keeps any text before
    the call as its reasoning and closes </reason> before the call (as the toy SFT data does).
 2. Code: Magicoder's Python solution becomes a call of the single tool, after the explanation that
-   precedes it: "tool_call": tool_call("python", code=..., input="") (tools.py). The conversation
+   precedes it: "tool_call": tool_call("python", code=..., input="") (conversation.py). The conversation
    ends at the call: we do not run the code, and we will not invent an output for it.
 3. Other function calls are KEPT, written as plain assistant text in the very format of the Python
    tool's call (conversation.function_call_pieces writes both:

@@ -117,7 +117,7 @@ def sandbox():
 @pytest.fixture(scope="session")
 def toy_engine(toy_sft_model):
     """One vLLM engine on the SFT'd toy model for the whole session (an engine costs ~1 minute)."""
-    from engine import make_engine
+    from infra.engine import make_engine
     llm = make_engine(str(toy_sft_model), max_model_len=1024, seed=0, kv_cache_tokens=KV_CACHE_TOKENS)
     yield llm
     del llm
@@ -127,7 +127,7 @@ def toy_engine(toy_sft_model):
 def blank_toy_engine(toy_sft_model):
     """An engine on the toy model that started with random weights (vLLM's dummy load format), as
     train.py's does until its first weight sync; small, and alive for the session like the others."""
-    from engine import make_engine
+    from infra.engine import make_engine
     llm = make_engine(str(toy_sft_model), max_model_len=1024, kv_cache_tokens=8192, weights=False)
     yield llm
     del llm
@@ -137,7 +137,7 @@ def blank_toy_engine(toy_sft_model):
 def smollm2_engine(smollm2_model_dir):
     """One vLLM engine on SmolLM2 for the session, with 16K tokens of KV cache (0.7 GB)."""
     import torch
-    from engine import make_engine
+    from infra.engine import make_engine
     # One thread: with another process busy on 2 cores, two threads waiting on each other made the
     # real-model tests 5x slower. (Once an engine exists, vLLM ignores torch.set_num_threads.)
     torch.set_num_threads(1)

@@ -8,10 +8,10 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = {p.stem: p for p in ROOT.glob("*.py")}
+MODULES = {p.stem: p for folder in (ROOT, ROOT / "infra") for p in folder.glob("*.py") if p.stem != "__init__"}
 CITATION = re.compile(r"`(\w+)\.(\w+)(?:\.(\w+))?")
 PLAIN_CITATION = re.compile(r"(?<![\w.`])(\w+)\.(\w+)(?:\.(\w+))?")  # in code's prose: no backticks
-FOLDERS = (ROOT, ROOT / "data", ROOT / "bench", ROOT / "tests")
+FOLDERS = (ROOT, ROOT / "infra", ROOT / "data", ROOT / "bench", ROOT / "tests")
 CODE = sorted(p for folder in FOLDERS for p in folder.glob("*.py"))
 FILE_TYPES = {"py", "jsonl", "json", "md", "txt", "csv", "png", "sh"}  # `train.jsonl` names a file, not code
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eval import select_unsolved  # noqa: E402
-from batch import ProblemStream, mixed_groups  # noqa: E402
+from infra.batch import ProblemStream, mixed_groups  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-size", "2",

@@ -1,4 +1,4 @@
-"""engine.py's decisions that only a GPU can show, tested on what they ask of vLLM.
+"""infra/engine.py's decisions that only a GPU can show, tested on what they ask of vLLM.
 
 vLLM's CPU build has no sleep mode, so the GPU cycle is checked against a stand-in that keeps
 vllm 0.32's bookkeeping (sleep puts "weights" and "kv_cache" to sleep at levels 1 and 2; wake_up(tags)
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import torchrun
-from engine import engine_seed, kv_bytes_per_token, sleep, sync_weights, wake_for_rollout
+from infra.engine import engine_seed, kv_bytes_per_token, sleep, sync_weights, wake_for_rollout
 from rollout import RolloutConfig, Trajectory, sampling_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +88,7 @@ def test_one_engine_seed_by_default_and_a_seed_per_turn_when_deterministic(toy_w
 
 
 def test_a_multiprocess_engine_is_refused_before_anything_loads(monkeypatch, tmp_path):
-    from engine import make_engine
+    from infra.engine import make_engine
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1(.|\n)*HINT: unset it"):
         make_engine(str(tmp_path / "no-model-needed"), max_model_len=64)
@@ -102,7 +102,7 @@ def test_an_engine_started_without_the_checkpoint_samples_like_one_that_read_it(
     import json
     import torch
     from transformers import AutoModelForCausalLM
-    from engine import full_weights, sync_weights
+    from infra.engine import full_weights, sync_weights
     from scheduler import rollout_lockstep
     tok = toy_engine.get_tokenizer()
     problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:4]]
@@ -132,7 +132,7 @@ def test_gpus_run_the_model_runner_the_tests_run_unless_asked_for_the_other(monk
     import vllm.config.vllm as vllm_config
     import vllm.envs as envs
     from vllm.config import VllmConfig
-    from engine import make_engine
+    from infra.engine import make_engine
     config = VllmConfig()
     monkeypatch.setattr(vllm_config, "HAS_TRITON", True)  # what vLLM finds on a GPU
     # (read the environment when asked, as before an engine's start-up, not the cache vLLM keeps after)
@@ -185,7 +185,7 @@ def test_a_sync_writes_every_engine_parameter_so_dropped_weights_lose_nothing(bl
     its buffers; the sync after it must write every parameter. Here each one is NaN before the sync."""
     import torch
     from transformers import AutoModelForCausalLM
-    from engine import full_weights
+    from infra.engine import full_weights
     executor = blank_toy_engine.llm_engine.engine_core.engine_core.model_executor
     worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
     engine_model = worker.model_runner.model
@@ -230,8 +230,8 @@ def _gather_rank_main(folder: str):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    from engine import full_weights
-    from training import init_distributed, shard_model
+    from infra.engine import full_weights
+    from infra.training import init_distributed, shard_model
     rank, _, _, device = init_distributed()
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

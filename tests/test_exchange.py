@@ -12,7 +12,7 @@ import pytest
 
 from conftest import torchrun
 from rollout import Trajectory, trajectory_metrics
-from batch import ProblemQueue, without_payload
+from infra.batch import ProblemQueue, without_payload
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEMS, SAMPLES = 6, 4
@@ -37,7 +37,7 @@ def same_tokens(a: Trajectory, b: Trajectory) -> bool:
 
 def plan_of(kept: list[Trajectory], world_size: int) -> list:
     """Who trains what, as train.py plans it: the micro-batch plan over the kept trajectories' lengths."""
-    from training import plan_micro_batches
+    from infra.training import plan_micro_batches
     return plan_micro_batches([t.prompt_length + t.response_length for t in kept], 64, world_size)
 
 

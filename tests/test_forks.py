@@ -124,7 +124,7 @@ FORKS = {
                        "tests/test_grpo_roc.py::test_policy_loss_golden_value_and_metrics"], """
         import torch
         from grpo_roc import policy_loss
-        from logprobs import token_logprobs
+        from infra.logprobs import token_logprobs
         from test_update import tiny_model
 
         def test_the_loss_pays_for_entropy_and_its_gradient_reaches_the_model():
@@ -202,7 +202,7 @@ FORKS = {
     "pass-rate-curriculum": ([
         "tests/test_dynamic_sampling.py::test_the_band_keeps_problems_solved_at_least_m_and_fewer_than_k_times",
         "tests/test_dynamic_sampling.py::test_the_stream_gives_the_same_problems_at_a_position_however_it_is_cut"], """
-        from batch import ProblemStream
+        from infra.batch import ProblemStream
 
         def test_each_epoch_takes_the_easiest_first_and_the_rest_in_the_shuffles_order():
             rates = [0.25, None, 0.75, 0.5, None, 0.75]

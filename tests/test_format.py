@@ -7,7 +7,7 @@ import pytest
 from conversation import (IM_END, SYSTEM_PROMPT, TOOL_NAME, TOOLS, USER_PREFIX, Tool, ToolCall,
                           extract_answer, format_tool_response, pad_token_id, parse_tool_call, render_messages,
                           render_prompt, render_tool_call, render_tool_turn, system_prompt)
-from grading import grade
+from rollout import grade
 
 # Same fields as sandbox.ExecResult; the format only reads them.
 Result = namedtuple("Result", "status stdout stderr seconds truncated", defaults=("", "", 0.0, False))
@@ -343,7 +343,7 @@ def test_untrusted_text_never_becomes_a_control_token(qwen3_tokenizer):
 
 
 def test_a_turn_ending_with_any_of_the_models_eos_ids_is_finished(qwen3_tokenizer, tmp_path):
-    from engine import model_eos_ids
+    from infra.engine import model_eos_ids
     from rollout import RolloutConfig, Trajectory, end_turn, end_of_turn_ids, score
     from transformers import GenerationConfig
     tok = qwen3_tokenizer

@@ -9,7 +9,7 @@ from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, PENALTY_EPS, POSITIVE_
                       filter_void_turns, format_penalty, group_advantages, mismatch_correction,
                       policy_loss, resample_on_correct, roc_weight, tool_error_penalty)
 from rollout import Trajectory
-from update import MiniBatch, effective_sample_size
+from infra.update import MiniBatch, effective_sample_size
 
 
 def traj(reward, calls=1, failures=None, answers=1, turns=2, index=0, void_turns=0, sandbox_failed=False,

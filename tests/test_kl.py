@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from grpo_roc import policy_loss
-from logprobs import token_logprobs
-from lora import adapters_off, add_lora_flags, lora_settings, trainable, trains_adapters_only
+from infra.logprobs import token_logprobs
+from infra.lora import adapters_off, add_lora_flags, lora_settings, trainable, trains_adapters_only
 from test_update import PROBES, rollouts, tiny_model, update
-from training import init_distributed, load_sharded_model
+from infra.training import init_distributed, load_sharded_model
 
 CPU = torch.device("cpu")
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 20, 31, 42, 17, 9, 60, 33]])                         # (1, T)

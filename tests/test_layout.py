@@ -1,4 +1,5 @@
-"""The project's layout: every file is a library or a script, and no script imports another script.
+"""The project's layout: the paper's files and the scripts at the root, the plumbing in one package
+(infra/); every file is a library or a script, and no script imports another script.
 
 A script is a file with a command line (it parses arguments); a library is imported and has none
 (at most a self-check). The imports are read from the source, not executed."""
@@ -6,7 +7,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = sorted(p for folder in (ROOT, ROOT / "data", ROOT / "bench") for p in folder.glob("*.py"))
+PACKAGE = ROOT / "infra"
+FILES = sorted(p for folder in (ROOT, PACKAGE, ROOT / "data", ROOT / "bench") for p in folder.glob("*.py")
+               if p.name != "__init__.py")
 
 
 def is_script(path: Path) -> bool:
@@ -17,28 +20,39 @@ def project_imports(path: Path) -> set[Path]:
     """The project files a file imports (by module name, as `python file.py` would find them)."""
     by_name = {}
     for folder in (path.parent, ROOT):  # the scripts in data/ and bench/ put the root first on sys.path
-        by_name.update({p.stem: p for p in folder.glob("*.py")})
+        by_name.update({p.stem: p for p in folder.glob("*.py") if p.name != "__init__.py"})
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         else:
             continue
         for name in names:
             parts = name.split(".")
             if parts[0] in by_name and by_name[parts[0]] != path:
                 found.add(by_name[parts[0]])
-            if len(parts) > 1 and (ROOT / parts[0] / f"{parts[1]}.py").exists():  # e.g. data.prepare_eval
+            if len(parts) > 1 and (ROOT / parts[0] / f"{parts[1]}.py").exists():  # infra.update, data.x
                 found.add(ROOT / parts[0] / f"{parts[1]}.py")
-    return found
+    return found - {path}
 
 
 def test_the_layout_has_both_kinds():
     names = {p.name for p in FILES}
     assert {"train.py", "sft.py", "eval.py", "demo.py"} <= names and is_script(ROOT / "train.py")
-    assert not is_script(ROOT / "training.py") and not is_script(ROOT / "rollout.py")
+    assert not is_script(PACKAGE / "training.py") and not is_script(ROOT / "rollout.py")
+
+
+def test_the_root_holds_the_paper_and_the_scripts_and_the_package_the_plumbing():
+    """A reader of the paper opens the root; the plumbing waits in one package. The package is all
+    libraries, and it never reads a script (it may read the paper's records, such as the trajectory)."""
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= 12, f"{len(root)} files at the root: {root}\n---> HINT: plumbing goes in infra/"
+    package = [p for p in FILES if p.parent == PACKAGE]
+    assert package and not [p.name for p in package if is_script(p)], "infra/ holds libraries only"
+    assert (PACKAGE / "__init__.py").read_text().count("\n") < 20, "infra/__init__.py is a docstring, no code"
+    assert "import" not in (PACKAGE / "__init__.py").read_text(), "no facade: infra/__init__.py forwards nothing"
 
 
 def test_no_file_imports_a_script():

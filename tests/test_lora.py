@@ -1,4 +1,4 @@
-"""LoRA (lora.py, train.py --lora-rank) on a tiny random Qwen3: one process, no vLLM, no torchrun.
+"""LoRA (infra/lora.py, train.py --lora-rank) on a tiny random Qwen3: one process, no vLLM, no torchrun.
 
 The update trains the adapters alone; the merged weights the engine and the export get are the model
 the trainer scores; checkpoints hold the adapters and their optimizer and load back exactly. The sync
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from lora import LR_SCALE, add_lora_flags, hf_name, lora_settings, merged_weights, param_groups, trainable
-from logprobs import token_logprobs
+from infra.lora import LR_SCALE, add_lora_flags, hf_name, lora_settings, merged_weights, param_groups, trainable
+from infra.logprobs import token_logprobs
 from test_update import rollouts, tiny_model, update
-from training import init_distributed, load_sharded_model, save_checkpoint, save_hf_checkpoint, start_point
+from infra.training import init_distributed, load_sharded_model, save_checkpoint, save_hf_checkpoint, start_point
 
 RANK = 4
 
@@ -251,7 +251,7 @@ def test_offloading_a_lora_trainer_holds_the_base_and_the_adapters_moments_alone
     """offload.trainer_offloaded's host buffers, from the first offload (before AdamW has moments): every
     weight (the frozen base too) and two moments for each adapter weight, none for the base (at 14B on
     one GPU that would pin 59 GB of host memory the plan does not count)."""
-    from offload import trainer_offloaded
+    from infra.offload import trainer_offloaded
     model = lora_model(base_dir)
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-2)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -273,7 +273,7 @@ def test_the_gpu_layout_a_bf16_base_and_fp32_adapters_shard_and_train_under_bf16
     to the base's bf16."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from lora import add_lora
+    from infra.lora import add_lora
     model = add_lora(tiny_model().to(torch.bfloat16), lora_settings(lora_flags(*train)))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (1,))

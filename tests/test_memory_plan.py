@@ -1,14 +1,14 @@
-"""memory_plan.py against numbers worked out by hand, and train.py --plan (no weights, no GPU)."""
+"""infra/memory_plan.py against numbers worked out by hand, and train.py --plan (no weights, no GPU)."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from memory_plan import (CONTEXT, CUDA_GRAPHS, ENGINE_BUFFERS, HOST_LINK_BYTES_PER_S, MARGIN, PROCESS_HOST,
+from infra.memory_plan import (CONTEXT, CUDA_GRAPHS, ENGINE_BUFFERS, HOST_LINK_BYTES_PER_S, MARGIN, PROCESS_HOST,
                          SANDBOX_SLOT, GiB, MiB, describe, gpu_settings, pinned_bytes, plan,
                          weight_allocations)
-from model_shape import KNOWN, Shape
+from infra.memory_plan import KNOWN, Shape
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(num_hidden_layers=2, hidden_size=4, intermediate_size=8, num_attention_heads=2,
@@ -257,7 +257,7 @@ def test_lora_adapters_are_counted_as_peft_makes_them():
     """all-linear, rank 2, by hand: r x (inputs + outputs) for q (4 + 4), k and v (4 + 2), o (4 + 4), gate and
     up (4 + 8), down (8 + 4): 2 x 64 = 128 a layer; and peft's own count on the same shape of Qwen3."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    from lora import add_lora
+    from infra.lora import add_lora
     assert Shape.of(TINY).adapter_params(2) == 128
     model = add_lora(Qwen3ForCausalLM(Qwen3Config(**TINY)),
                      dict(r=2, lora_alpha=32.0, lora_dropout=0.0, target_modules="all-linear"))

@@ -20,7 +20,7 @@ import torch
 
 from conversation import (CHAT_TEMPLATE, encode, format_tool_response, prompt_ids, render_messages,
                           tool_turn_pieces)
-from engine import model_eos_ids, turn_tokens
+from infra.engine import model_eos_ids, turn_tokens
 from rollout import FINISH_REASONS, RolloutConfig, Trajectory, add_tool_turn, end_turn, sampling_params, score
 from scheduler import request_id
 
@@ -130,7 +130,7 @@ def tool_trajectories(smollm2_engine, smollm2_model_dir, sandbox, toy_world):
 def test_trainer_logprobs_equal_vllm_on_every_sampled_token_of_multi_turn_tool_trajectories(
         tool_trajectories, smollm2_model_dir):
     from transformers import AutoModelForCausalLM
-    from logprobs import token_logprobs
+    from infra.logprobs import token_logprobs
     trajs, _, _ = tool_trajectories
     multi = [t for t in trajs if tool_turns_between_sampled_turns(t)]
     assert len(multi) >= 3, (f"only {len(multi)}/{len(trajs)} trajectories have a tool turn between sampled "
@@ -197,7 +197,7 @@ def greedy(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]
 
 def max_logprob_diff(model, prompts, samples) -> float:
     """Largest difference between the HF model's log-probs of the sampled tokens and the engine's."""
-    from logprobs import token_logprobs
+    from infra.logprobs import token_logprobs
     worst = 0.0
     for prompt, (ids, logprobs) in zip(prompts, samples):
         x = torch.tensor([prompt + ids])                                                  # (1, T)
@@ -210,8 +210,8 @@ def max_logprob_diff(model, prompts, samples) -> float:
 def test_weight_sync_of_tied_embeddings_changes_the_samples_and_syncing_back_restores_them(
         smollm2_engine, smollm2_model_dir, toy_world):
     from transformers import AutoModelForCausalLM
-    from engine import sync_weights
-    from engine import full_weights
+    from infra.engine import sync_weights
+    from infra.engine import full_weights
     tokenizer = smollm2_engine.get_tokenizer()
     lines = (toy_world / "test.jsonl").read_text().splitlines()[:3]
     prompts = [prompt_ids(tokenizer, json.loads(line)["question"]) for line in lines]

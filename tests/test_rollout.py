@@ -277,7 +277,7 @@ def test_at_temperature_0_7_sampler_and_trainer_score_the_distribution_that_drew
     import torch
     from transformers import AutoModelForCausalLM
     from scheduler import rollout_lockstep
-    from logprobs import token_logprobs
+    from infra.logprobs import token_logprobs
     trajs, _ = rollout_lockstep(toy_engine.llm_engine, toy_engine.get_tokenizer(), sandbox, problems[:8], 2,
                                 RolloutConfig(deterministic=True, max_response=256, temperature=0.7, seed=5))
     model = AutoModelForCausalLM.from_pretrained(toy_sft_model, dtype=torch.float32)
@@ -295,7 +295,7 @@ def test_at_temperature_0_7_sampler_and_trainer_score_the_distribution_that_drew
 def test_weight_sync_reaches_the_engine_prefix_cache_included(toy_engine, toy_sft_model, sandbox, problems):
     import torch
     from transformers import AutoModelForCausalLM
-    from engine import sync_weights
+    from infra.engine import sync_weights
     from scheduler import rollout_lockstep
     tok, cfg = toy_engine.get_tokenizer(), RolloutConfig(deterministic=True, max_response=48, max_turns=1, seed=3)
     engine = toy_engine.llm_engine
@@ -369,7 +369,7 @@ def test_the_engine_starts_on_a_small_numa_node_with_the_kv_cache_it_was_asked_f
     from vllm.utils.cpu_resource_utils import MemoryNodeInfo
     import vllm.v1.worker.cpu_worker as cpu_worker
     from conftest import KV_CACHE_TOKENS
-    from engine import CPU_BLOCK, kv_capacity_tokens, make_engine
+    from infra.engine import CPU_BLOCK, kv_capacity_tokens, make_engine
     assert kv_capacity_tokens(toy_engine.llm_engine) == KV_CACHE_TOKENS, "the shared engine must hold what it was asked for"
     node = MemoryNodeInfo(total_memory=int(11.21 * 2**30), available_memory=int(1.16 * 2**30))
     monkeypatch.setattr(cpu_worker, "get_memory_node_info", lambda *_: node)

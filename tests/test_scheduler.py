@@ -8,7 +8,7 @@ import pytest
 from conftest import torchrun
 from conversation import IM_END, render_prompt, render_tool_call
 from rollout import RolloutConfig
-from batch import ProblemQueue
+from infra.batch import ProblemQueue
 from scheduler import rollout_lockstep, rollout_scheduled
 
 
@@ -166,8 +166,8 @@ def test_scheduler_equals_lockstep(toy_engine, sandbox, toy_world, temperature):
     under greedy, a random draw that close to a boundary when sampling); it has not happened with
     these seeds, and the failure message gives the first differing position and its log-probs so
     that such a flip can be told apart from a bug."""
-    from engine import kv_capacity_tokens
-    from engine import kv_block_tokens
+    from infra.engine import kv_capacity_tokens
+    from infra.engine import kv_block_tokens
     tok, engine = toy_engine.get_tokenizer(), toy_engine.llm_engine
     problems = [json.loads(x) for x in (toy_world / "test.jsonl").read_text().splitlines()[:32]]
     cfg = RolloutConfig(deterministic=True, max_response=512, temperature=temperature)

@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 import sft  # noqa: E402
 from conftest import torchrun  # noqa: E402
 from conversation import USER_PREFIX, render_messages, render_tool_call  # noqa: E402
-from training import plan_micro_batches  # noqa: E402
+from infra.training import plan_micro_batches  # noqa: E402
 
 
 def make_conversation(a, b, with_tool=True):

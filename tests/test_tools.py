@@ -14,7 +14,7 @@ import sft  # noqa: E402
 from conversation import (chat_template, render_assistant_turn, render_messages,  # noqa: E402
                           render_tool_call, system_prompt)
 from rollout import RolloutConfig, Trajectory, add_tool_turn, end_turn  # noqa: E402
-from tools import TOOLS, Tool, tool_call  # noqa: E402
+from conversation import TOOLS, Tool, tool_call  # noqa: E402
 
 # One arithmetic expression, evaluated without builtins, in the same sandbox as Python's code.
 CALCULATOR = Tool({"type": "function", "function": {

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from conversation import (IM_END, extract_answer, format_tool_response, parse_tool_call,  # noqa: E402
                           render_messages, render_prompt, render_tool_turn)
-from grading import grade  # noqa: E402
+from rollout import grade  # noqa: E402
 
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""logprobs.py and training.py: chunked log-probs (values, gradients, memory), the problem reader, and
+"""infra/logprobs.py and infra/training.py: chunked log-probs (values, gradients, memory), the problem reader, and
 loading a model on rank 0 only under torchrun (slow)."""
 import json
 import os
@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from conftest import torchrun
-from logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs
+from infra.logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs
 from rollout import read_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -235,7 +235,7 @@ def test_a_rank_whose_sandbox_cannot_start_stops_the_whole_job(tmp_path):
 def _sandbox_rank_main():
     """One rank of the test above (run by torchrun)."""
     from sandbox import Sandbox
-    from training import cpu_group, init_distributed
+    from infra.training import cpu_group, init_distributed
     rank = init_distributed()[0]
     if rank == 1:
         sys.executable = "/bin/false"
@@ -249,7 +249,7 @@ def _rank_main(folder: str):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM  # noqa: F401  (imported before measuring: ~100 MB)
-    from training import check_shared_dir, cpu_group, init_distributed, load_sharded_model
+    from infra.training import check_shared_dir, cpu_group, init_distributed, load_sharded_model
     rank, _, _, device = init_distributed()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model = load_sharded_model(f"{folder}/model", device)
@@ -331,7 +331,7 @@ def test_the_entropy_the_update_logs_is_the_exact_entropy_on_every_path(shared_p
 @pytest.fixture
 def sharded_model():
     """A model sharded by FSDP2 in a process group of one, as train.py runs it on one rank."""
-    from training import init_distributed, shard_model
+    from infra.training import init_distributed, shard_model
     init_distributed()
     return shard_model(random_model(layers=2), torch.device("cpu"))
 
@@ -361,7 +361,7 @@ def test_no_tensor_of_a_training_step_outlives_it(sharded_model):
 
 def test_the_engine_gets_the_weights_one_parameter_at_a_time(sharded_model):
     import gc
-    from engine import full_weights
+    from infra.engine import full_weights
     names = list(sharded_model.state_dict())
     previous = None
     for count, (name, tensor) in enumerate(full_weights(sharded_model, torch.bfloat16), 1):
@@ -390,7 +390,7 @@ def trained_steps(model, optimizer, n):
 
 
 def test_a_fresh_optimizer_stays_fresh_and_a_continued_one_continues(sharded_model, tmp_path):
-    from training import load_checkpoint, save_checkpoint, shard_model
+    from infra.training import load_checkpoint, save_checkpoint, shard_model
     optimizer = torch.optim.AdamW(sharded_model.parameters(), lr=1e-3)
     trained_steps(sharded_model, optimizer, 4)
     save_checkpoint(sharded_model, optimizer, str(tmp_path), 4, {"position": 7})
@@ -412,7 +412,7 @@ def test_a_fresh_optimizer_stays_fresh_and_a_continued_one_continues(sharded_mod
 
 
 def test_checkpoints_are_kept_newest_first_and_a_missing_one_says_what_to_do(sharded_model, tmp_path):
-    from training import complete_checkpoints, find_checkpoint, save_checkpoint
+    from infra.training import complete_checkpoints, find_checkpoint, save_checkpoint
     optimizer = torch.optim.AdamW(sharded_model.parameters())
     for step in (1, 2, 3):
         save_checkpoint(sharded_model, optimizer, str(tmp_path / "ckpt"), step, {}, keep=2)
@@ -424,7 +424,7 @@ def test_checkpoints_are_kept_newest_first_and_a_missing_one_says_what_to_do(sha
 
 
 def test_resuming_drops_what_was_logged_after_the_checkpoint(tmp_path):
-    from training import rewind_logs
+    from infra.training import rewind_logs
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
     (tmp_path / "samples.txt").write_text("".join(f"===== step {s} problem 0 sample 0 reward 1.0 (answer) =====\n"
                                                   f"text of {s}\n===== step {s} problem 1 sample 0 reward 0.0 "
@@ -438,8 +438,8 @@ def test_resuming_drops_what_was_logged_after_the_checkpoint(tmp_path):
 def test_offloading_the_trainer_around_each_rollout_trains_bit_for_bit_the_same():
     """offload.trainer_offloaded moves the fp32 shards and AdamW moments out and back around every
     rollout (on a CPU: copies within host memory, the same code path as to pinned memory and back)."""
-    from offload import trainer_offloaded
-    from training import init_distributed, shard_model
+    from infra.offload import trainer_offloaded
+    from infra.training import init_distributed, shard_model
     init_distributed()
     runs = []
     for offload in (False, True):
@@ -467,8 +467,8 @@ def test_the_host_buffers_are_allocated_once_at_the_exact_size_and_reused_every_
     """The first offload (at start-up, before AdamW has moments) already allocates the moments' host
     buffers; every later round copies into the same buffers (a fresh pinned page costs 20x a reused
     one on a GPU), and they hold exactly the fp32 weights and two moments: memory_plan's 12P/N."""
-    from offload import trainer_offloaded
-    from training import init_distributed, shard_model
+    from infra.offload import trainer_offloaded
+    from infra.training import init_distributed, shard_model
     init_distributed()
     model = shard_model(random_model(layers=2, seed=3), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -488,8 +488,8 @@ def test_a_frozen_reference_model_goes_to_the_host_with_the_trainer_and_comes_ba
     """trainer_offloaded(frozen=...) frees a frozen bf16 copy of the weights on the device for the block,
     holds it in host buffers of its exact size beside the trainer's 12P, and puts back the same
     tensors with the same values; the trainer trains as without it."""
-    from offload import trainer_offloaded
-    from training import init_distributed, shard_model
+    from infra.offload import trainer_offloaded
+    from infra.training import init_distributed, shard_model
     init_distributed()
     model = shard_model(random_model(layers=2, seed=3), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -515,8 +515,8 @@ def test_expandable_segments_are_on_for_training_and_off_while_the_engine_is_awa
     """load_sharded_model turns them on, trainer_offloaded off for its block (the engine wakes in it)
     and on after, offloading or not; the allocator's other settings stay (torch resets what a
     settings string leaves out)."""
-    from offload import trainer_offloaded
-    from training import expandable_segments, init_distributed, shard_model
+    from infra.offload import trainer_offloaded
+    from infra.training import expandable_segments, init_distributed, shard_model
     before = torch._C._accelerator_getAllocatorSettings()
     init_distributed()
     model = shard_model(random_model(layers=1), torch.device("cpu"))
@@ -542,7 +542,7 @@ def test_expandable_segments_are_on_for_training_and_off_while_the_engine_is_awa
 def test_a_gpu_build_that_cannot_start_stops_naming_the_driver_and_a_cpu_machine_runs_on(monkeypatch):
     """A driver older than the build's CUDA makes torch.cuda.is_available() false with only a warning
     (as on this CPU build): faked here are the build's version and the GPUs NVML (or amdsmi) counts."""
-    from training import init_distributed
+    from infra.training import init_distributed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 8)  # the driver is there, and 8 GPUs

@@ -2,7 +2,7 @@
 
 `update` below is train.py's policy update (its calls, in its order: a test checks it), run on hand-made
 trajectories whose prompts share a start (like the system prompt), so the shared-prefix path and the
-micro-batch plan of update.py run too."""
+micro-batch plan of infra/update.py run too."""
 import ast
 import inspect
 import math
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from batch import ProblemQueue
+from infra.batch import ProblemQueue
 from grpo_roc import EPS_HIGH, EPS_LOW, mismatch_correction, policy_loss
-from logprobs import token_logprobs
+from infra.logprobs import token_logprobs
 from rollout import TOKENS, Trajectory
-from update import METRICS, SUMMED, Policy, mini_batches, old_logprobs, step_metrics
+from infra.update import METRICS, SUMMED, Policy, mini_batches, old_logprobs, step_metrics
 
 VOCAB, SHARED_START = 64, [1, 2, 3, 4, 5, 6]
 PROBES = [SHARED_START + [7, 8], SHARED_START + [9, 10]]
@@ -26,7 +26,7 @@ PROBES = [SHARED_START + [7, 8], SHARED_START + [9, 10]]
 
 @pytest.fixture(scope="module", autouse=True)
 def group_of_one():
-    from training import init_distributed
+    from infra.training import init_distributed
     init_distributed()  # (a process group of one, as train.py makes without torchrun)
 
 

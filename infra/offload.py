@@ -1,7 +1,7 @@
 """The trainer's state in host memory while the engine rolls out, and back on the GPU for training.
 
 With train.py --offload-trainer, which the memory plan turns on where it gives the engine the room it
-needs (memory_plan.py, 6), the rollout runs with these in host memory: the trainer's fp32 shards, its
+needs (infra/memory_plan.py, 6), the rollout runs with these in host memory: the trainer's fp32 shards, its
 buffers, AdamW's moments, and the parameters and buffers of frozen modules such as a reference model
 for a KL penalty. Each tensor's storage is copied into a host buffer and freed on the device, then
 reallocated and copied back, so every tensor, view and DTensor keeps its identity: FSDP2's shards and the
@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from training import expandable_segments
+from infra.training import expandable_segments
 
 # Each optimizer's {key: host buffer}, kept from round to round. A new optimizer, as after a reset, gets
 # buffers of its own.

@@ -11,7 +11,7 @@ against vllm 0.32 (what each does and why is in its docstring):
   gathered, one parameter at a time) loaded in place (`reload_weights`), the prefix cache reset.
 - sleep / wake_for_rollout: the engine's GPU memory given to training (level 2: the weights dropped,
   as the next sync overwrites every one of them) and taken back. The mirror image, the trainer's
-  state in host memory while the engine rolls out, is the trainer's: offload.py.
+  state in host memory while the engine rolls out, is the trainer's: infra/offload.py.
 - kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
 - model_eos_ids, turn_tokens: where vLLM ends a turn on its own, and a finished turn's ids and log-probs.
 On a GPU a step cycles: rollout (awake) -> sleep (weights and KV cache dropped) -> training ->
@@ -136,7 +136,7 @@ def full_weights(model, dtype):
     with half the traffic of fp32 for bf16), when asked for, and nothing here keeps it after. Tied
     weights go under both names (embed_tokens and lm_head): embed_tokens alone left vLLM 0.32's CPU
     engine half-updated (tests/test_real.py syncs SmolLM2's tied pair). With LoRA, the merged weights."""
-    from lora import is_lora, merged_weights
+    from infra.lora import is_lora, merged_weights
     if is_lora(model):
         yield from merged_weights(model, dtype)
         return

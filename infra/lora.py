@@ -106,7 +106,7 @@ def adapters_off(model):
 
 def trains_adapters_only(model) -> bool:
     """Whether only LoRA adapters train: then the base, the reference policy of train.py --kl-coef, is
-    the policy itself with its adapters off (update.py runs it inside adapters_off: no second copy)."""
+    the policy itself with its adapters off (infra/update.py runs it inside adapters_off: no second copy)."""
     return is_lora(model) and all(".lora_" in name for name, p in model.named_parameters() if p.requires_grad)
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logprobs, trajectory_tensors
-from lora import adapters_off
-from training import plan_micro_batches
+from infra.logprobs import SharedPrefix, empty_pass, shared_prefix_length, token_logprobs, trajectory_tensors
+from infra.lora import adapters_off
+from infra.training import plan_micro_batches
 
 # The metrics of one optimizer step. Each term is already divided by n_loss_tokens, so the micro-batches'
 # values add up; the largest mismatch and the gradient's norm follow. step_metrics averages over steps.

@@ -7,7 +7,7 @@
   trainer's GPU memory in expandable segments (off while the engine is awake).
 - Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
   share cut by a token budget (rows x the longest, or with packing the tokens alone), as many passes
-  on every rank (FSDP's collectives need them all). The token log-probs both losses use: logprobs.py.
+  on every rank (FSDP's collectives need them all). The token log-probs both losses use: infra/logprobs.py.
 - The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
 - Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
   leaves a broken step_N), the newest N kept, loaded with or without the optimizer; with LoRA, the
@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from conversation import chat_template
-from lora import add_lora, base_dtype, is_lora, lora_rank, merged_weights
+from infra.lora import add_lora, base_dtype, is_lora, lora_rank, merged_weights
 
 # -----------------------------------------------------------------------------
 # The process group

@@ -1,6 +1,6 @@
 """The memory plan of one GPU (and of a node's host memory) through an RL step, from the model's config.
 
-Every GPU runs one FSDP2 trainer rank and one vLLM engine (engine.py, training.py, train.py). The plan
+Every GPU runs one FSDP2 trainer rank and one vLLM engine (infra/engine.py, infra/training.py, train.py). The plan
 adds up, phase by phase, what each holds; P is the parameter count, N the number of GPUs, T the tokens
 of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
 
@@ -60,8 +60,119 @@ run checklist says how to check them. The sources named are vLLM 0.32's and torc
 """
 from dataclasses import dataclass
 
-from engine import SLEEP_LEVEL
-from model_shape import KNOWN, Shape
+from infra.engine import SLEEP_LEVEL
+
+
+# -----------------------------------------------------------------------------
+# The model's shape: its counts from its config, not its weights. Shape reads a transformers
+# config (or a dict of its fields) of a Qwen or Llama decoder.
+
+# The architectures of docs/gpu.md's table (the hub's config.json values), so it needs no download.
+KNOWN = {
+    "Qwen2.5-1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960,
+                         num_attention_heads=12, num_key_value_heads=2, head_dim=128, vocab_size=151936,
+                         tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
+                       num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
+                       tie_word_embeddings=False),
+    "Qwen3-8B": dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False),
+    "Qwen3-14B": dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=17408,
+                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      tie_word_embeddings=False),
+    "Qwen2.5-32B": dict(num_hidden_layers=64, hidden_size=5120, intermediate_size=27648,
+                        num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=152064,
+                        tie_word_embeddings=False),
+}
+
+
+@dataclass
+class Shape:
+    """What the plan needs of a model: counts, not weights."""
+    layers: int
+    hidden: int
+    mlp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def of(cls, config) -> "Shape":
+        """From a transformers config or a dict of its fields."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        heads = get("num_attention_heads")
+        return cls(layers=get("num_hidden_layers"), hidden=get("hidden_size"), mlp=get("intermediate_size"),
+                   heads=heads, kv_heads=get("num_key_value_heads") or heads,
+                   head_dim=get("head_dim") or get("hidden_size") // heads, vocab=get("vocab_size"),
+                   tied=bool(get("tie_word_embeddings", False)))
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        queries_and_output = 2 * self.hidden * self.q_width
+        keys_and_values = 2 * self.hidden * self.kv_width
+        return queries_and_output + keys_and_values + 3 * self.hidden * self.mlp + 2 * self.hidden
+
+    def adapter_params(self, rank: int) -> int:
+        """LoRA's parameters in one decoder layer, every linear layer adapted (infra/lora.py's all-linear):
+        r x (inputs + outputs) for q, k, v, o, gate, up, down."""
+        h, q, kv, mlp = self.hidden, self.q_width, self.kv_width, self.mlp
+        return rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + mlp) + (mlp + h))
+
+    @property
+    def embedding_params(self) -> int:
+        """Embeddings and head (one matrix when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params + self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of every layer, bf16."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    @property
+    def layer_activation_bytes(self) -> int:
+        """Bytes per token of one decoder layer in its backward: what the recomputed forward keeps
+        (HF's Qwen3 layer; Qwen2.5 has no q/k norms, a few % over) and the gradients beside it.
+        Per hidden unit 30: two RMSNorms (fp32 input 4, bf16 product 2, output 2), the outputs of
+        o_proj and down_proj and the two residual sums (2 each), gradients of the residual stream (6).
+        Per query unit 18: q (2), its norm (8), rotary's rotated copy and result (4), attention's
+        output and o_proj's input (4). Per key/value unit 16: k and v (4), k's norm (8), rotary (4).
+        Per MLP unit 12: gate, up, their activation and product (8), two of their gradients (4)."""
+        return 30 * self.hidden + 18 * self.q_width + 16 * self.kv_width + 12 * self.mlp
+
+    @property
+    def reload_peak_bytes(self) -> int:
+        """The weight sync's transient (vllm/model_executor/model_loader/reload/layerwise.py): the
+        online loader buffers each incoming bf16 tensor of a vLLM module until the module's count is
+        complete, then _layerwise_process materialises the module on the GPU (materialize_layer),
+        loads the buffered tensors into it and copies it into the woken weights. The trainer gathers
+        each tensor in bf16 (engine.full_weights casts the shard first), into a buffer padded to
+        whole shards beside the result: 2 x module + 2 x module + 2 x last tensor, for each module kind
+        of a Qwen/Llama model (qkv_proj from q, k, v; gate_up_proj from gate, up; single tensors)."""
+        h = self.hidden
+        embeddings = self.vocab * h                                   # the embeddings, and the head
+        qkv = h * (self.q_width + 2 * self.kv_width)
+        gate_up = 2 * h * self.mlp
+        modules = [(embeddings, embeddings), (qkv, h * self.kv_width), (gate_up, h * self.mlp),
+                   (h * self.q_width, h * self.q_width), (h * self.mlp, h * self.mlp)]
+        return max(4 * size + 2 * last for size, last in modules)
+
+# -----------------------------------------------------------------------------
+# The plan
 
 GiB = 2**30
 MiB = 2**20
@@ -86,7 +197,7 @@ ENGINE_BUFFERS = GiB // 2  # the runner's other persistent buffers, block tables
 VLLM_BATCH_LARGE_GPU = (16384, 1024)
 VLLM_BATCH_SMALL_GPU = (8192, 256)
 # gpu_model_runner.py _dummy_sampler_run: max_num_seqs rows of logits through the sampler in the
-# profile; with logprobs_mode="processed_logprobs" (engine.py) the CUDA sampler is the PyTorch one
+# profile; with logprobs_mode="processed_logprobs" (infra/engine.py) the CUDA sampler is the PyTorch one
 # (v1/sample/ops/topk_topp_sampler.py forward_native): the bf16 logits the caller keeps (2), their
 # fp32 copy (4), the processed log-probs (4), the probabilities (4), random_sample's noise (4)
 SAMPLER_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 4
@@ -95,7 +206,7 @@ SAMPLER_TRITON_ROWS = 304  # v1/sample/ops/topk_topp_triton.py caches a (rows, V
 
 # ---- the trainer (torch 2.13) ----
 # a decoder layer's activations per token in bf16 (fp32 where the RMSNorms upcast), recomputed in its
-# backward: see model_shape.Shape.layer_activation_bytes
+# backward: see Shape.layer_activation_bytes
 LOGIT_BYTES_TRAINING = 16  # a log-prob chunk's backward per logit: the fp32 logits the log-sum-exp keeps,
 #   the gradients of the gather and of the log-sum-exp, their sum (logprobs._chunk_logprobs)
 FINAL_HIDDEN_BYTES = 12    # per token and hidden unit: the last layer's output (2), the final norm's fp32
@@ -209,7 +320,7 @@ def _engine(s: Shape, gpu_gib: float) -> tuple[dict, dict]:
 
 def _trainer_state(s: Shape, ranks: int, lora_rank: int, gradients: bool, lora_head: bool = False) -> dict:
     """The trainer's weights and AdamW moments per GPU (and its gradients, while it trains): fp32 all
-    16 bytes a parameter; with LoRA (lora.py) the base frozen in bf16, 2, and the adapters' 16 (and the
+    16 bytes a parameter; with LoRA (infra/lora.py) the base frozen in bf16, 2, and the adapters' 16 (and the
     head's, with lora_head: train.py --lora-train lm_head)."""
     what = "gradients, AdamW moments" if gradients else "AdamW moments"
     state_bytes = 16 if gradients else 12
