@@ -1,6 +1,7 @@
 """The conversation format (paper Fig. 3; docs/design.md §2): SFT, RL, eval and chat use it.
 
-A conversation is rendered as text (for people, logs, and the chat template saved with checkpoints) and
+First the tools a run may offer (TOOLS: each one's spec and its program for the sandbox). A conversation
+is rendered as text (for people, logs, and the chat template saved with checkpoints) and
 as token ids (for the model). The template's own markers become control tokens; the content (problems,
 messages, tool output) is always encoded as plain text. Then: reading what the model wrote (its tool
 call, its answer), and writing what the tool printed.
@@ -188,7 +189,7 @@ def plain_ids(tokenizer, text: str) -> list[int]:
     return [token.id for word, _ in words for token in backend.model.tokenize(word)]
 
 
-# The template's own text, encoded once per tokenizer: the system prompt (~1 ms to encode) opens
+# The template's own text, encoded once per tokenizer: the system prompt (hundreds of tokens) opens
 # every prompt, and train.py measures the prompt of every problem it reads.
 _TEMPLATE_IDS = weakref.WeakKeyDictionary()  # a tokenizer's backend -> {template text: its ids}
 

@@ -57,7 +57,7 @@ def toy_recipe():
          [*evaluate, "--model", "runs/toy_sft", "--out-dir", columns["SFT"]]),
         (f"GRPO-RoC, {args.steps} steps, {' '.join(arm['flags'])}", arm["out_dir"] + "/final/config.json",
          ["train.py", "--preset", "toy", "--steps", str(args.steps), "--out-dir", arm["out_dir"],
-          "--resume", "1", *arm["flags"]]),
+          *arm["flags"]]),
         ("evaluate the RL model on the held-out problems", columns[arm["column"]] + "/table.json",
          [*evaluate, "--model", arm["out_dir"] + "/final", "--out-dir", columns[arm["column"]]])]
     curves = [(a["column"], a["out_dir"]) for a in ARMS.values()]
@@ -77,7 +77,7 @@ REAL = {
         data=("train", "train", "hard"), steps=(14, 6, 5), max_response=(320, 384, 384), max_turns=(3, 4, 6),
         # RL at 1e-5, one stage: on training problems +3.8 points (SE 1.9) in 12 steps where 5e-5 lost 5.8,
         # and +3.5, +3.2, +1.8 after stages 1, 2, 3 (docs/words.md); stages=3 runs the paper's three
-        stages=1, lr=1e-5, problems=8, rl=["--dynamic-sampling", "--max-draws", "2"], filter_min_solved=1,
+        stages=1, lr=1e-5, problems=8, rl=["--dynamic-sampling", "2"], filter_min_solved=1,
         eval_flags=["--max-turns", "6"],  # one engine seed (per-turn seeds sample a request at a time)
         # a whole epoch (75 steps of 16): +7.5 points over 48 steps on training problems, two-operation
         # ones +15.3; 48 had given +15.2 over 24 (docs/words.md, "The SFT levers")
@@ -143,7 +143,7 @@ def real_recipe():
                         "--problems-per-step", str(recipe["problems"]), "--rollouts-per-problem", "8",
                         "--group-size", "4", "--max-prompt", "768", "--lr", str(recipe["lr"]),
                         "--warmup-steps", "2" if i == 1 else "0", "--micro-batch-tokens", "2048", *kv,
-                        "--save-every", "0", "--sample-every", "5", "--resume", "1", *handover,
+                        "--save-every", "0", *handover,
                         *recipe.get("rl", [])]))
         first = recipe.get("between", recipe["held_out"]) if i < last else recipe["held_out"]
         stages.append((f"evaluate stage {i}", columns[f"stage {i}"] + "/table.json",

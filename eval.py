@@ -29,12 +29,13 @@ import time
 from collections import defaultdict
 
 from conversation import prompt_ids
+from infra.batch import ProblemQueue
 from infra.engine import add_engine_flags, make_engine, model_eos_ids
+from infra.training import WAIT_TIMEOUT_MINUTES, cpu_group, init_distributed
 from rollout import (EVALUATION, STAGE_ROLLOUTS, RolloutConfig, add_rollout_flags, drop_long_prompts,
                      read_problems, rollout_config, trajectory_metrics)
-from infra.batch import ProblemQueue
+from sandbox import Sandbox
 from scheduler import rollout_scheduled
-from infra.training import DIST_TIMEOUT_MINUTES, cpu_group, init_distributed
 
 # -----------------------------------------------------------------------------
 # Arguments. Defaults are the paper's evaluation settings; --filter-solved uses training's.
@@ -55,7 +56,7 @@ def get_args(argv=None):
     rollouts = add_rollout_flags(parser, **EVALUATION)  # the paper's settings
     rollouts.add_argument("--max-prompt", type=int, default=4096,
                           help="problems whose prompt has more tokens are dropped (and counted)")
-    parser.add_argument("--dist-timeout-minutes", type=float, default=DIST_TIMEOUT_MINUTES,
+    parser.add_argument("--dist-timeout-minutes", type=float, default=WAIT_TIMEOUT_MINUTES,
                         help="under torchrun: how long a rank may wait for the others' rollouts")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="engine context (default: longest prompt + --max-response, at most the model's)")
@@ -211,7 +212,7 @@ def main(argv=None, llm=None):
     distributed, rank = "RANK" in os.environ, 0
     if distributed:
         import torch.distributed as dist
-        rank = init_distributed(args.dist_timeout_minutes)[0]
+        rank = init_distributed(wait_minutes=args.dist_timeout_minutes)[0]
     master = rank == 0
 
     # -- data (before the engine: the longest prompt sizes its context); overlong prompts are dropped
@@ -249,7 +250,6 @@ def main(argv=None, llm=None):
         print(f"{sum(map(len, benchmarks.values()))} problems x {n} samples, longest prompt {longest} tokens")
 
     # -- engine + sandbox
-    from sandbox import Sandbox
     if llm is None:
         llm = make_engine(args.model, args.max_model_len, seed=args.seed,
                           memory_fraction=args.memory_fraction, kv_cache_tokens=args.kv_cache_tokens,

@@ -165,12 +165,12 @@ def group_advantages(rewards) -> torch.Tensor:
 
 
 def policy_loss(logp, old_logp, advantages, loss_mask, n_loss_tokens, eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                token_weights=None, ref_logp=None, kl_coef=0.0, entropy=None, n_rollouts=None):
-    """(7) PPO-clip with Clip-Higher over n_loss_tokens, the optimizer step's on every rank (n_rollouts:
-    its rollouts, for a loss averaged over sequences). Only logp (B, T) carries the gradient; advantages
-    (B,) apply to all a row's tokens; token_weights (B, T) are (11)'s, ref_logp (B, T) adds (12); entropy
-    (B, T) is measured. Each metric is a masked sum / n_loss_tokens (8): the clipped shares, ratio_mean,
-    approx_kl (k3 to old_logp), kl_ref (k3 to ref) and entropy."""
+                token_weights=None, ref_logp=None, kl_coef=0.0, entropy=None):
+    """(7) PPO-clip with Clip-Higher over n_loss_tokens, the optimizer step's on every rank. Only logp
+    (B, T) carries the gradient; advantages (B,) apply to all a row's tokens; token_weights (B, T) are
+    (11)'s, ref_logp (B, T) adds (12); entropy (B, T) is measured. Each metric is a masked sum /
+    n_loss_tokens (8): the clipped shares, ratio_mean, approx_kl (k3 to old_logp), kl_ref (k3 to ref)
+    and entropy."""
     mask = loss_mask.to(torch.bool)                                        # (B, T)
     loss_mask = mask.to(logp.dtype)                                        # (B, T)
     # Padding could make inf * 0 = nan, so the log-ratio is zero off the mask.

@@ -1,7 +1,6 @@
 """What demo.py shows after its stages: the held-out table, each gain with its paired standard error,
-and the RL curves as a PNG; and what train.py prints beside a step's metrics when one collapses. A
-library: it reads the files the stages wrote (an evaluation's table.json and samples.jsonl, an RL
-run's metrics.jsonl) or the rows train.py logs, and computes nothing that they did not.
+and the RL curves as a PNG. A library: it reads the files the stages wrote (an evaluation's table.json
+and samples.jsonl, an RL run's metrics.jsonl) and computes nothing that they did not.
 """
 import json
 import math
@@ -162,15 +161,3 @@ def plot_curves(curves: list, path: str, title: str, one_after_another: bool):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def collapse_alarms(history: list[dict], row: dict, keys=("tool_calls", "turns")) -> list[str]:
-    """The metrics of this step's `row` that fell below half their running mean over the earlier
-    steps' rows (`history`): tool use collapsing, seen at the step it starts, not in the final eval."""
-    alarms = []
-    for key in keys:
-        past = [h[key] for h in history]
-        mean = sum(past) / max(len(past), 1)
-        if past and row[key] < 0.5 * mean:
-            alarms.append(f"{key} {row[key]:.2f} fell below half its running mean {mean:.2f}")
-    return alarms

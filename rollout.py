@@ -79,6 +79,8 @@ class Trajectory:
 STAGE_ROLLOUTS = {1: dict(max_response=8192, max_turns=10), 2: dict(max_response=12288, max_turns=10),
                   3: dict(max_response=12288, max_turns=15)}
 EVALUATION = dict(temperature=0.6, max_response=30000, max_turns=30)
+MAX_PROMPT = 2048  # training's longest prompt in tokens: with a stage's budget, the engine's context
+PROBLEMS_PER_STEP, ROLLOUTS_PER_PROBLEM = 512, 32  # the paper's RL step (§4.3): 2G = 32 rollouts a problem
 
 
 @dataclass
@@ -92,32 +94,34 @@ class RolloutConfig:
     max_tool_chars: int = MAX_TOOL_RESPONSE_CHARS
     kv_budget: int | None = None   # the scheduler admits within this many KV tokens (None: the engine's)
     eos_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids (model_eos_ids): they end a turn too
-    tools: tuple[str, ...] = DEFAULT_TOOLS  # the tools the system prompt offers (names in tools.TOOLS)
+    tools: tuple[str, ...] = DEFAULT_TOOLS  # the tools the system prompt offers (names in TOOLS)
 
 
-def add_rollout_flags(parser, top_p: bool = True, **defaults):
+def add_rollout_flags(parser, training: bool = False, **defaults):
     """The rollout flags of every script (train.py, eval.py, chat.py), each with its defaults (EVALUATION,
-    or a stage's). Returns the argument group, for a script's own rollout flags. top_p=False: no --top-p
-    (train.py: see its --temperature help)."""
+    or a stage's). Returns the argument group, for a script's own rollout flags. training=True: no
+    --top-p (see --temperature's help), and --max-tool-chars and --deterministic stay settings without a
+    flag (RolloutConfig's defaults; train.py's toy preset sets deterministic)."""
     group = parser.add_argument_group("rollouts")
     group.add_argument("--max-turns", type=int, default=RolloutConfig.max_turns,
                        help="T: assistant turns per trajectory")
     group.add_argument("--max-response", type=int, default=RolloutConfig.max_response,
                        help="token budget of a response: sampled and tool tokens together")
-    group.add_argument("--temperature", type=float, default=RolloutConfig.temperature, help="sampling "
-                       "temperature" + ("" if top_p else "; the trainer scores with the same (no --top-p: "
-                       "the engine's log-probs are after its top-p mask, the trainer's over the vocabulary)"))
-    if top_p:
-        group.add_argument("--top-p", type=float, default=RolloutConfig.top_p, help="nucleus sampling")
-    group.add_argument("--max-tool-chars", type=int, default=MAX_TOOL_RESPONSE_CHARS,
-                       help="a tool response is cut to this many characters (middle-truncated)")
+    scored = ("; the trainer scores with the same (no --top-p: the engine's log-probs are after its top-p "
+              "mask, the trainer's over the vocabulary)")
+    group.add_argument("--temperature", type=float, default=RolloutConfig.temperature,
+                       help="sampling temperature" + (scored if training else ""))
     group.add_argument("--tools", nargs="+", choices=sorted(TOOLS), default=list(DEFAULT_TOOLS),
                        help="the tools the system prompt offers and a call may name (conversation.TOOLS)")
-    group.add_argument("--deterministic", action="store_true",
-                       help="a seed per turn of every rollout: the same samples whatever the driver, rank "
-                            "or batch runs them (tests, comparisons). Off: one engine seed, because vLLM "
-                            "samples seeded requests one at a time, a Python loop per decode step")
-    parser.set_defaults(**defaults)
+    if not training:
+        group.add_argument("--top-p", type=float, default=RolloutConfig.top_p, help="nucleus sampling")
+        group.add_argument("--max-tool-chars", type=int, default=MAX_TOOL_RESPONSE_CHARS,
+                           help="a tool response is cut to this many characters (middle-truncated)")
+        group.add_argument("--deterministic", action="store_true",
+                           help="a seed per turn of every rollout: the same samples whatever the driver, "
+                                "rank or batch runs them (tests, comparisons). Off: one engine seed, because "
+                                "vLLM samples seeded requests one at a time, a Python loop per decode step")
+    parser.set_defaults(max_tool_chars=MAX_TOOL_RESPONSE_CHARS, deterministic=False, **defaults)
     return group
 
 

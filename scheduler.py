@@ -1,42 +1,42 @@
-"""Rollout drivers: the load-balanced scheduler (paper §3.2) and the turn-synchronous baseline.
+"""Rollout drivers, the load-balanced scheduler (paper §3.2) and the turn-synchronous baseline, and
+a training step's draw of rollouts (draw: DAPO's dynamic sampling on top of either driver).
 
-Both step rollout.py's turn logic on a vLLM engine (an LLMEngine: add_request / step), take the
-same arguments and return the same thing: every rank gets the whole batch in problem order, its own
-rollouts whole and the others' without their tokens and text (ProblemQueue.gather).
+Both drivers step rollout.py's turn logic on a vLLM engine (an LLMEngine: add_request / step), take
+the same arguments and return the same thing: every rank gets the whole batch in problem order, its
+own rollouts whole and the others' without their tokens and text (ProblemQueue.gather).
 
-`rollout_lockstep`, the baseline most RL code uses, wastes the engine three ways: short
-trajectories wait for the longest one at every turn, tool calls wait to run as one batch, and a
-batch bigger than the KV cache makes the engine preempt and recompute. `rollout_scheduled` fixes
-all three:
+`rollout_lockstep`, the simplest driver, wastes the engine three ways: short trajectories wait for
+the longest one at every turn, tool calls wait to run as one batch, and a batch bigger than the KV
+cache makes the engine preempt and recompute. `rollout_scheduled` fixes all three:
 
-- KV-budget admission by what trajectories hold. Each admitted trajectory counts the KV-cache
-  tokens it holds (prompt + response so far, in whole cache blocks; while it waits on a tool its
-  prefix stays cached for the next turn) plus room for one more turn (the batch's mean growth per
-  turn so far; max_response / max_turns before a turn has ended). New trajectories are admitted
-  while the total fits the budget (the engine's cache unless RolloutConfig.kv_budget says
-  otherwise), and as trajectories finish the next are admitted. Reserving prompt + max_response
-  instead (the paper's estimate) never overflows the cache but leaves most of it idle when most
-  responses are short; here a trajectory that outgrows its turn of room can make vLLM preempt
-  and recompute a request, and admission waits until the total fits again. All turns of a
-  trajectory run on the engine that admitted it, so its earlier turns stay in the prefix cache.
-- Asynchronous tool calls. When a turn ends with a tool call it goes to the sandbox at once; the
-  engine keeps stepping the other trajectories; when the result arrives its tool turn is
-  appended and the next turn is queued. With nothing to step the loop blocks on the results
-  queue: it never spins.
-- Dynamic balance across ranks. Under torchrun each rank drives its own engine and pulls the next
-  problem from one shared counter (batch.ProblemQueue) whenever it has room, so a rank slowed by
-  long trajectories or slow tools simply takes fewer problems.
-
-Same turn logic; with per-turn seeds (RolloutConfig.deterministic) the same inputs give the same
-trajectories, up to vLLM's numerics changing with batch composition (see tests).
-bench/scheduler_speed.py measures the difference.
+1. KV-budget admission by what trajectories hold: each admitted trajectory counts its prompt and
+   response so far in whole cache blocks (while it waits on a tool its prefix stays cached) plus room
+   for one more turn (the batch's mean growth per turn so far; max_response / max_turns before one
+   has ended). New trajectories are admitted while the total fits the engine's cache, and as they
+   finish the next are admitted. The paper reserves prompt + max_response instead: that never
+   overflows the cache, but leaves most of it idle when most responses are short. Here a trajectory
+   that outgrows its room can make vLLM preempt and recompute a request, and admission waits until
+   the total fits again. All turns of a trajectory run on one engine: its prefix stays cached.
+2. Asynchronous tool calls: a turn that ends with a call goes to the sandbox at once, and the engine
+   steps the others; when the result arrives, the tool turn is appended and the next turn queued.
+   With nothing to step the loop blocks on the results queue: it never spins.
+3. Balance across ranks: under torchrun each rank drives its own engine and pulls the next problem
+   from one shared counter (batch.ProblemQueue) whenever it has room, so a rank slowed by long
+   trajectories or slow tools simply takes fewer problems.
+bench/scheduler_speed.py measures it (docs/benchmarks.md): 1.4-1.6x faster than lockstep on the toy
+benchmark, and level with plain asynchronous rollouts (every first turn submitted at once, each tool
+call run as it comes, the engine's own scheduler left to preempt), which peers' agent loops use.
+With per-turn seeds (RolloutConfig.deterministic) the same inputs give the same trajectories, up to
+vLLM's numerics changing with batch composition (see tests).
 """
+import dataclasses
 import queue
-import statistics
 import time
-from collections import deque
+from collections import defaultdict, deque
 
-from infra.batch import ProblemQueue
+import torch.distributed as dist
+
+from infra.batch import ProblemQueue, ProblemStream, RolloutTimer, mixed_groups
 from infra.engine import kv_block_tokens, kv_capacity_tokens, turn_tokens
 from rollout import (RolloutConfig, add_tool_turn, end_turn, sampling_params, score, start_trajectories,
                      trajectory_metrics)
@@ -95,7 +95,8 @@ def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, c
 
 
 # -----------------------------------------------------------------------------
-# The scheduler: its KV-budget admission bookkeeping, its timing statistics, then the loop that drives them
+# The scheduler: its KV-budget admission bookkeeping, then the loop that drives it (its statistics:
+# batch.RolloutTimer)
 
 
 class KVAdmission:
@@ -131,49 +132,9 @@ class KVAdmission:
         self.grown, self.turns = self.grown + tokens, self.turns + turn
 
 
-class RolloutTimer:
-    """The scheduler's statistics, apart from its control flow: seconds generating and waiting on tools,
-    the KV cache's mean use per engine step, the most trajectories in flight, when each finished."""
-
-    def __init__(self, kv_tokens: int, total: int):
-        from tqdm import tqdm
-        self.kv_tokens, self.start = kv_tokens, time.perf_counter()
-        self.gen_s = self.tool_wait_s = self.kv_sum = 0.0
-        self.steps, self.peak, self.finished_at = 0, 0, []
-        self.bar = tqdm(total=total, desc="rollouts", unit="traj", leave=False)
-
-    def step(self, engine, running: dict):
-        """engine.step(), timed; then the share of the KV budget the running requests fill."""
-        t0 = time.perf_counter()
-        outs = engine.step()
-        self.gen_s += time.perf_counter() - t0
-        self.steps += 1
-        self.kv_sum += sum(len(t.prompt_ids) + len(t.response_ids) for t in running.values()) / self.kv_tokens
-        return outs
-
-    def wait(self, results: queue.SimpleQueue):
-        """The next tool result, blocking: the engine has nothing to step."""
-        t0 = time.perf_counter()
-        item = results.get()
-        self.tool_wait_s += time.perf_counter() - t0
-        return item
-
-    def finished(self) -> None:
-        self.finished_at.append(time.perf_counter() - self.start)
-        self.bar.update(1)
-
-    def summary(self) -> dict:
-        self.bar.close()
-        ends = sorted(self.finished_at)
-        return dict(wall_seconds=time.perf_counter() - self.start, gen_seconds=self.gen_s,
-                    tool_wait_seconds=self.tool_wait_s, peak_admitted=self.peak,
-                    kv_utilisation=self.kv_sum / max(self.steps, 1),
-                    straggler_seconds=ends[-1] - statistics.median(ends) if ends else 0.0)
-
-
 def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
                       problem_queue: ProblemQueue | None = None):
-    """Roll out n samples of every problem this rank pulls (1-3). Returns (the whole batch's
+    """Roll out n samples of every problem this rank pulls (1-3 above). Returns (the whole batch's
     trajectories, stats: its trajectory_metrics and this rank's seconds; tool_wait_seconds: the
     engine idle, waiting on tools)."""
     problem_queue = problem_queue or ProblemQueue()
@@ -248,3 +209,41 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
             after_tool(t, future.result())
     trajs = _whole_batch(trajs, problem_queue, sandbox, cfg)
     return trajs, dict(trajectory_metrics(trajs), **timer.summary())
+
+
+# -----------------------------------------------------------------------------
+# A training step's draw
+
+
+def draw(driver, engine, tokenizer, sandbox, problems: list[dict], seed: int, position: int, count: int,
+         n: int, cfg: RolloutConfig, key: str, dynamic: int = 0, group=None) -> tuple[list, dict, int]:
+    """A step's rollouts: `count` problems of the stream of `problems` (batch.ProblemStream, shuffled by
+    `seed`) from `position`, `n` rollouts each, by `driver` (one of the two above) with `cfg`. With
+    dynamic sampling (DAPO), `dynamic` > 0 draws at most: more draws of `count` while the step holds
+    fewer than `count` mixed groups (an all-right or all-wrong group has zero advantages and teaches
+    nothing), each with a seed and problem indices of its own; the first `count` mixed groups are what
+    the step trains. `key`: new for every step (the ranks' shared counter). Returns (the trajectories the
+    step trains, their stats over every draw, the stream's position after them)."""
+    stream, trajs, timing, drawn, first = ProblemStream(problems, seed), [], defaultdict(float), 0, 0
+    while True:
+        index = drawn // count  # the first draw samples as a step without dynamic sampling does
+        queue = ProblemQueue(f"{key}/{index}", dist.is_initialized() and dist.get_world_size() > 1, group)
+        settings = dataclasses.replace(cfg, seed=cfg.seed + 100_003 * index)
+        batch = stream.take(position + drawn, count)
+        new, stats = driver(engine, tokenizer, sandbox, batch, n, settings, queue)
+        for t in new:
+            t.index += drawn
+        trajs += new
+        drawn += count
+        for name in ("gen_seconds", "tool_wait_seconds"):
+            timing[name] += stats.get(name, 0.0)
+        mixed = mixed_groups(trajs)
+        first = len(mixed) if index == 0 else first  # what a step without dynamic sampling trains
+        if not dynamic or len(mixed) >= count or drawn >= dynamic * count:
+            break
+    stats = dict(stats, **trajectory_metrics(trajs), **timing, drawn_problems=drawn, mixed_groups=len(mixed),
+                 mixed_first_draw=first)
+    if dynamic:
+        trained = set(sorted(mixed)[:count])
+        trajs = [t for t in trajs if t.index in trained]
+    return trajs, dict(stats, mixed_share=len(mixed_groups(trajs)) / count), position + drawn

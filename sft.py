@@ -8,7 +8,7 @@ tool call and instruction following, with the loss on assistant tokens only.
 - Conversations are rendered by conversation.render_messages: loss_mask = assistant tokens.
 - FSDP2 per decoder layer, rank 0 reading the weights (bf16 compute on GPU); `python sft.py` is a
   group of one (infra/training.py).
-- A step's batch is dealt across ranks and packed into micro-batches (training.plan_micro_batches):
+- A step's batch is dealt across ranks and packed into micro-batches (batch.plan_micro_batches):
   rows run back to back without padding (logprobs.token_logprobs(packed=True)).
 - Loss = mean over the step's assistant tokens (global count): any split, same gradient.
 - Without activation checkpointing, the tokens every conversation of a step starts with (the system
@@ -31,7 +31,8 @@ from transformers import AutoConfig, AutoTokenizer
 from conversation import pad_token_id, render_messages
 from infra.logprobs import SharedPrefix, empty_pass, right_pad, shared_prefix_length, token_logprobs
 from infra.lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
-from infra.training import init_distributed, load_sharded_model, plan_micro_batches, save_hf_checkpoint
+from infra.batch import plan_micro_batches
+from infra.training import init_distributed, load_sharded_model, save_hf_checkpoint
 
 try:
     LIBC = ctypes.CDLL("libc.so.6")  # glibc, whose malloc_trim returns freed pages to the system

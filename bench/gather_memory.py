@@ -13,7 +13,7 @@ Eight ranks of 11 GB do not fit in this machine, so:
    ids and log-probs, tool turns of mask 0 and log-prob 0.0, the decoded text alongside, 4 characters a
    token; ids uniform over Qwen's vocabulary), then scored by rollout.score (which makes the arrays).
 2. Counted at full scale, with the real planning code on the real lengths: which rank trains which kept
-   trajectory (training.plan_micro_batches) and how many of those another rank rolled out.
+   trajectory (batch.plan_micro_batches) and how many of those another rank rolled out.
 3. Extrapolated: 1 x 2, linearly (every trajectory has the same length, so the costs are per trajectory).
 4. Checked on a real 2-rank gloo run of both protocols (a smaller batch): the bytes the collectives
    deliver to each rank, counted at the collectives, and what each rank holds afterwards, against the
@@ -35,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
 from rollout import RolloutConfig, Trajectory, score  # noqa: E402
-from infra.batch import ProblemQueue, without_payload  # noqa: E402
-from infra.training import plan_micro_batches  # noqa: E402
+from infra.batch import ProblemQueue, exchange, without_payload  # noqa: E402
+from infra.batch import plan_micro_batches  # noqa: E402
 
 VOCAB = 151_643  # Qwen's vocabulary
 GiB, MiB = 2**30, 2**20
@@ -177,7 +177,7 @@ def gloo_rank(rank: int, world: int, init: str, count: int, prompt: int, respons
         kept = [t for t in trajs if t.sample % 2]  # G of 2G
         plan = plan_micro_batches([t.prompt_length + t.response_length for t in kept], prompt + response, world)
         counts = plan_counts(plan, [t.index % world for t in kept])[rank]
-        return trajs, queue.exchange(kept, plan), counts
+        return trajs, exchange(kept, plan), counts
 
     result = {}
     for name, protocol in (("before", before), ("after", after)):

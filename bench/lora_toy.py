@@ -2,11 +2,11 @@
 
     python bench/lora_toy.py                                  # after `python demo.py` (runs/toy_sft, data/toy)
     python bench/lora_toy.py --seeds 0 1 2 --rank 32 --steps 20
-    python bench/lora_toy.py --lora-args "--lora-train ''"    # LoRA with the head frozen
+    python bench/lora_toy.py --lora-args "--lora-setting train="    # LoRA with the head frozen
 
 Each arm and seed is one `train.py --preset toy` run (the same steps, data and seed for both arms; LoRA
 adds --lora-rank and nothing else: the adapters train at the preset's lr x --lora-lr-scale, and the
-preset's --lora-train lm_head trains the head in full at its lr), then one
+preset's --lora-setting train=lm_head trains the head in full at its lr), then one
 `eval.py` of its final/ on the toy held-out set. The arms alternate so that the machine's load falls on
 both. The gap's standard error is over seeds (the spread of whole runs), not over samples. Last line:
 `lora toy: full <a>% LoRA r=<r> <b>% held-out avg@2: <b - a> points (SE <s>, <n> seeds)`.
@@ -32,7 +32,7 @@ parser.add_argument("--steps", type=int, default=20, help="RL steps of each run 
 parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per arm and seed")
 parser.add_argument("--out-dir", default="runs/bench_lora_toy", help="the runs and their evaluations")
 parser.add_argument("--lora-args", default="",
-                    help="more train.py flags for the LoRA arm, e.g. \"--lora-train ''\" (the head frozen)")
+                    help="more train.py flags for the LoRA arm, e.g. \"--lora-setting train=\" (the head frozen)")
 args = parser.parse_args()
 
 ARMS = {"full": [], "lora": ["--lora-rank", str(args.rank), *shlex.split(args.lora_args)]}

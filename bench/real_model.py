@@ -71,7 +71,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from conversation import prompt_ids, render_messages  # noqa: E402
 from infra.engine import CPU_BLOCK, kv_capacity_tokens, make_engine  # noqa: E402
 from infra.logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs  # noqa: E402
-from infra.training import plan_micro_batches  # noqa: E402
+from infra.batch import plan_micro_batches  # noqa: E402
 
 parser = argparse.ArgumentParser(description="Training and generation throughput of a real model on a CPU.")
 parser.add_argument("--model", required=True, help="HF model folder (e.g. the SmolLM2-135M-Instruct one)")
@@ -385,11 +385,11 @@ def lora_step():
     """(5): one batch of rollouts; the update and the sync of full fine-tuning and of rank --lora LoRA,
     alternately, --rounds times each; the table, then `lora rl step: ...`."""
     from infra.engine import full_weights, sync_weights
-    from infra.lora import DEFAULTS, describe, trainable
+    from types import SimpleNamespace
+    from infra.lora import describe, lora_settings, trainable
     from infra.training import load_sharded_model
     llm, model, optimizer, kept, advantages, pad_id = one_batch()
-    settings = dict(r=args.lora, lora_alpha=DEFAULTS["lora_alpha"], lora_dropout=DEFAULTS["lora_dropout"],
-                    target_modules=DEFAULTS["lora_targets"])
+    settings = lora_settings(SimpleNamespace(lora_rank=args.lora, lora_setting=[]))  # (lora.DEFAULTS)
     lora_model = load_sharded_model(args.model, torch.device("cpu"), lora=settings).train()
     lora_optimizer = torch.optim.AdamW(trainable(lora_model), lr=args.lr, weight_decay=0.01)
     trainers = {"full": (model, optimizer), "lora": (lora_model, lora_optimizer)}

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from conversation import pad_token_id, prompt_ids, render_messages  # noqa: E402
 from infra.logprobs import SharedPrefix, right_pad, shared_prefix_length, token_logprobs  # noqa: E402
-from infra.training import plan_micro_batches  # noqa: E402
+from infra.batch import plan_micro_batches  # noqa: E402
 
 parser = argparse.ArgumentParser(description="An SFT step's tokens, and its time padded against packed.")
 parser.add_argument("--model", required=True, help="the model sft.py trains")
@@ -62,7 +62,7 @@ print(f"tokens the layers run: packed {run}; padded, {len(padded_plan)} micro-ba
 
 def step(packed: bool) -> float:
     """One optimizer step on the batch, as sft.py takes it (micro-batches of --micro-batch-tokens
-    planned by training.plan_micro_batches); its seconds."""
+    planned by batch.plan_micro_batches); its seconds."""
     start = time.perf_counter()
     prefix = SharedPrefix(model, torch.tensor(samples[0][0][:shared]))
     (plan,) = plan_micro_batches(lengths, args.micro_batch_tokens, 1, packed)

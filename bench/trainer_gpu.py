@@ -17,7 +17,7 @@ on a random-weight Qwen3 of published dims (nothing is downloaded), padded again
    advantage 0, so every step has the same work).
 3. The update, each way in turn, --rounds times (the first of each way a warm-up, not counted):
    old log-probs (no gradient), training (forward and backward of grpo_roc.policy_loss over the
-   micro-batches of training.plan_micro_batches), the optimizer step (clip, AdamW). padded: rows
+   micro-batches of batch.plan_micro_batches), the optimizer step (clip, AdamW). padded: rows
    padded to the longest of their micro-batch, foreach AdamW (train.py before); packed: rows back to
    back (logprobs.token_logprobs(packed=True)), fused AdamW on GPUs (train.py now).
 4. Per way and phase: seconds, tokens/s (the rollouts' tokens, no padding), MFU (6PN for training,
@@ -45,7 +45,8 @@ from infra.lora import add_lora_flags, describe, lora_settings, trainable  # noq
 from grpo_roc import group_advantages, policy_loss, resample_on_correct  # noqa: E402
 from infra.logprobs import right_pad, token_logprobs, trajectory_tensors  # noqa: E402
 from rollout import Trajectory  # noqa: E402
-from infra.training import init_distributed, load_sharded_model, plan_micro_batches  # noqa: E402
+from infra.batch import plan_micro_batches  # noqa: E402
+from infra.training import init_distributed, load_sharded_model  # noqa: E402
 
 QWEN3_COMMON = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)
 QWEN3 = {  # the hub's config.json values
@@ -184,7 +185,7 @@ def offload_rounds(model, optimizer, device) -> list[tuple[float, float, int]]:
     """(5) (seconds out, seconds back, bytes) of each round of offload.trainer_offloaded."""
     rounds = []
     for _ in range(args.offload_rounds):
-        block = trainer_offloaded(model, optimizer, device)
+        block = trainer_offloaded(model, optimizer)
         t0 = time.perf_counter()
         host = block.__enter__()
         t1 = time.perf_counter()

@@ -43,9 +43,8 @@ SFT = ["--batch-size", "16", "--warmup-ratio", "0.1", "--grad-checkpointing", "0
        "--max-len", "1280", "--micro-batch-tokens", "4096"]
 RL = ["--steps", "12", "--max-response", "320", "--max-turns", "3", "--problems-per-step", "8",
       "--rollouts-per-problem", "8", "--group-size", "4", "--max-prompt", "768", "--lr", "5e-5",
-      "--warmup-steps", "2", "--temperature", "1.0", "--dynamic-sampling", "--max-draws", "2",
-      "--micro-batch-tokens", "2048", "--kv-cache-tokens", "65536", "--save-every", "0",
-      "--sample-every", "5", "--resume", "1"]
+      "--warmup-steps", "2", "--temperature", "1.0", "--dynamic-sampling", "2",
+      "--micro-batch-tokens", "2048", "--kv-cache-tokens", "65536", "--save-every", "0"]
 # An SFT arm: its data/prepare_mawps.py flags and its sft.py flags (a later flag wins over SFT's).
 SFT_ARMS = {
     "stepwise": (["--error-share", "0.1"], ["--max-steps", "24"]),
@@ -72,7 +71,7 @@ RL_ARMS = {
     # a fifth of the step: from the 48-step model every 12-step arm drifted its own way (docs/words.md)
     "RL lr 1e-5": ["--lr", "1e-5"],
     "RL 200 tokens": ["--max-response", "200"],
-    "RL 4 draws": ["--max-draws", "4"],
+    "RL 4 draws": ["--dynamic-sampling", "4"],
     # twice the steps (the learning rate is flat after warm-up): hf_step_12 is RL base's model
     "RL 24 steps": ["--steps", "24", "--export-every", "12"],
     # held near the SFT model (k3 to it): 12 steps of RL base rewrote the sums its reasoning writes

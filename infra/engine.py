@@ -14,6 +14,7 @@ against vllm 0.32 (what each does and why is in its docstring):
   state in host memory while the engine rolls out, is the trainer's: infra/offload.py.
 - kv_capacity_tokens, kv_block_tokens: how many tokens the engine's KV cache holds, and per block.
 - model_eos_ids, turn_tokens: where vLLM ends a turn on its own, and a finished turn's ids and log-probs.
+- shutdown: the engine stopped at the end of a run, leaving torch.distributed to the trainer.
 On a GPU a step cycles: rollout (awake) -> sleep (weights and KV cache dropped) -> training ->
 sync_weights (the weights woken and written, nothing else) -> wake_for_rollout (the KV cache).
 """
@@ -27,6 +28,13 @@ def kv_bytes_per_token(model: str, dtype_bytes: int) -> int:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def engine_dtype(device):
+    """The engine's dtype, which every sync casts to: bf16 on GPUs, fp32 on CPUs (vLLM 0.32's CPU
+    attention in bf16 would make the trainer's fp32 log-probs differ from the sampler's)."""
+    import torch
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 CPU_KV_CACHE_TOKENS = 65536  # the CPU default: 256 MB for the toy model, 3 GB for a 135M Llama
@@ -83,15 +91,17 @@ def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: 
     kwargs = dict(model=model, seed=engine_seed(seed, rank), max_model_len=max_model_len,
                   enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                   load_format="auto" if weights else "dummy")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = str(engine_dtype(device)).removeprefix("torch.")
     if torch.cuda.is_available():
         share = float(memory_fraction or 0.5)  # (a flag's string, or the memory plan's number)
-        kwargs.update(dtype="bfloat16", enable_sleep_mode=True, gpu_memory_utilization=share)
-    else:  # CPU: eager mode starts in ~5 s instead of ~30 s of torch.compile warm-up. A prompt split by
+        kwargs.update(dtype=dtype, enable_sleep_mode=True, gpu_memory_utilization=share)
+    else:  # CPU: eager mode starts without torch.compile's warm-up. A prompt split by
         # chunked prefill makes vllm 0.32 rewind the request's seeded generator, which CPU generators
         # cannot do ("CPU Generator does not use offset"): prefill prompts whole.
         kv_cache_tokens = kv_cache_tokens or CPU_KV_CACHE_TOKENS
         blocks = -(-kv_cache_tokens // CPU_BLOCK) + 1  # whole blocks, and the null block vLLM sets aside
-        kwargs.update(dtype="float32", enforce_eager=True, enable_chunked_prefill=False,
+        kwargs.update(dtype=dtype, enforce_eager=True, enable_chunked_prefill=False,
                       max_num_batched_tokens=max(max_model_len, 8192), block_size=CPU_BLOCK,
                       kv_cache_memory_bytes=blocks * CPU_BLOCK * kv_bytes_per_token(model, dtype_bytes=4))
     if external_launcher:  # under torchrun: one engine per rank, inside the ranks' process group
@@ -185,6 +195,9 @@ def wake_for_rollout(llm) -> None:
                            "since\n---> HINT: sync_weights(llm, full_weights(model, dtype)) between "
                            "sleep(llm) and wake_for_rollout(llm)")
     if asleep:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the reload's scratch, still reserved, back to the device for the cache
         llm.wake_up(tags=sorted(asleep))
 
 
@@ -200,3 +213,26 @@ def kv_block_tokens(engine) -> int:
     engine's cache config. 1 for an engine without one (tests' fakes)."""
     config = getattr(engine, "vllm_config", None)
     return config.cache_config.block_size if config is not None else 1
+
+
+def shutdown(llm) -> None:
+    """Stop the engine and free what it holds, leaving torch.distributed as it was. vllm 0.32's engine
+    shutdown (v1/engine/core.py EngineCore.shutdown, run by `del llm` whenever the collector gets to it)
+    ends in cleanup_dist_env_and_memory, which destroys the default process group: the trainer's ranks
+    could then no longer meet in a barrier before the group goes (a rank that tears gloo down while
+    another talks to it can abort). So this runs EngineCore.shutdown's steps but the last, and destroys
+    vLLM's own groups (distributed/parallel_state.py), not torch's; train.py then meets the other ranks
+    and destroys the process group once."""
+    import gc
+    from vllm.distributed import parallel_state
+    client = llm.llm_engine.engine_core                  # the in-process client
+    client._finalizer.detach()                           # (its finalizer is EngineCore.shutdown)
+    core = client.engine_core
+    core.structured_output_manager.clear_backend()
+    core.model_executor.shutdown()
+    core.scheduler.shutdown()
+    gc.unfreeze()  # (EngineCore.__init__ froze the start-up objects: the engine's memory is freed with them)
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None

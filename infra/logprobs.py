@@ -1,25 +1,18 @@
 """Token log-probs, the numbers both losses use: log p(token t+1 | tokens <= t) at every position.
 
-- token_logprobs: the model runs without its head; the head, the temperature and the log-softmax
-  run over chunks of positions of the final hidden states, so no tensor of tokens x vocabulary ever
-  exists, only chunk x vocabulary. Each chunk is recomputed in the backward (recompute=True, GPUs),
-  or its logits are kept for it (recompute=False: faster where memory is plenty, as on a CPU with a
-  small vocabulary).
-- SharedPrefix: the tokens that every sequence of a step starts with (the system prompt and the
-  user turn's preamble: ~410 of SmolLM2's ~430-token prompts) run once for the step instead of
-  once per sequence. Their keys and values, and their last hidden state, are kept as leaves that
-  every micro-batch reads; the gradients the micro-batches leave on them go back through the
-  prefix's own forward once, after the last micro-batch. The log-probs and the gradient are those
-  of running every sequence whole (tests/test_training.py checks both). It needs the model's KV
-  cache, which transformers drops under gradient checkpointing: it is for models trained without
-  activation checkpointing (train.py: on CPUs; on GPUs a prompt is small next to 8K-token responses).
+- token_logprobs: the model runs without its head (final_hidden); the head, the temperature and the
+  log-softmax run over chunks of positions, so no tensor of tokens x vocabulary ever exists. Each chunk
+  is recomputed in the backward (recompute=True, GPUs), or its logits kept for it (recompute=False: on
+  a CPU with a small vocabulary). entropy=True also returns each position's entropy (train.py logs its
+  mean, the sign of an entropy collapse): measured, not trained.
+- SharedPrefix: the tokens every sequence of a step starts with (the system prompt and the user turn's
+  preamble: ~410 of SmolLM2's ~430-token prompts) run once for the step instead of once per sequence.
+  Their keys and values, and their last hidden state, are kept as leaves that every micro-batch reads;
+  the gradients the micro-batches leave on them go back through the prefix's forward once, at the end.
+  The log-probs and the gradient are those of running every sequence whole (tests/test_training.py
+  checks both). It needs the KV cache, which gradient checkpointing drops: train.py uses it on CPUs.
 - Packing (token_logprobs(packed=True)): a micro-batch's rows run as one row without padding, each
-  sequence its own positions and causal block, with or without a shared prefix; the log-probs come
-  back in the padded layout, so the losses read them as before (training.plan_micro_batches then
-  counts a micro-batch's tokens, not rows x its longest row).
-  Each path can also return each position's entropy (entropy=True): train.py logs its mean, the
-  sign of an entropy collapse. It is measured, not trained: no gradient, and its (chunk x vocabulary)
-  temporaries live within the chunk's forward, under the backward's peak the memory plan counts.
+  sequence its own positions and causal block; the log-probs come back in the padded layout.
 - trajectory_tensors: the ids, masks and sampler log-probs of trajectories as the losses read them.
 """
 import warnings
@@ -51,15 +44,13 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
     start = prefix.length if prefix is not None else 0
     batch = input_ids.shape[0]
     if prefix is None:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                    output_hidden_states=True, logits_to_keep=1)
-        hidden = out.hidden_states[-1][:, :-1]                   # (B, T-1, H), after the final norm
+        _, last = final_hidden(model, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = last[:, :-1]                                   # (B, T-1, H), after the final norm
     else:
-        out = model(input_ids=input_ids[:, start:], attention_mask=attention_mask,
-                    past_key_values=prefix.cache(batch), use_cache=True, output_hidden_states=True,
-                    logits_to_keep=1)
+        _, last = final_hidden(model, input_ids=input_ids[:, start:], attention_mask=attention_mask,
+                               past_key_values=prefix.cache(batch), use_cache=True)
         # the prefix's last position scores the first token after it
-        hidden = torch.cat([prefix.last_hidden(batch), out.hidden_states[-1][:, :-1]], dim=1)  # (B, T-P, H)
+        hidden = torch.cat([prefix.last_hidden(batch), last[:, :-1]], dim=1)               # (B, T-P, H)
     positions, width = hidden.shape[1], hidden.shape[2]
     hidden = hidden.reshape(batch * positions, width)           # (N, H)
     targets = input_ids[:, max(start, 1):].reshape(batch * positions)  # (N,)
@@ -69,6 +60,22 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0,
         x = x.view(batch, positions)                            # (B, T-1), or (B, T-P) after a prefix
         return x if prefix is None else torch.cat([x.new_zeros(batch, start - 1), x], dim=1)
     return (place(values[:, 0]), place(values[:, 1].detach())) if entropy else place(values)
+
+
+def final_hidden(model, **inputs):
+    """The forward (logits of the last position only) and the final hidden states (B, T, H), after the
+    norm: with gradients among the root's outputs, where FSDP2 hooks the root's backward; without, only
+    them (output_hidden_states would keep every layer's: ~3 GB at 14B and 8K tokens)."""
+    if torch.is_grad_enabled():
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+        return out, out.hidden_states[-1]
+    captured = []
+    hook = model.get_decoder().register_forward_hook(lambda m, a, out: captured.append(out.last_hidden_state))
+    try:
+        out = model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return out, captured[-1]
 
 
 def _head_logprobs(model, hidden, targets, temperature, chunk_tokens, recompute, entropy=False):
@@ -101,16 +108,16 @@ def _packed_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens
     position_ids = (start + offset)[None]                                  # (1, L)
     if model.config._attn_implementation in ("sdpa", "eager"):
         model.config._attn_implementation = PACKED_ATTENTION  # (once: it is sdpa for unpacked rows)
-    out = model(input_ids=flat[None], position_ids=position_ids, packed_lengths=lengths.tolist(),
-                past_key_values=prefix.cache(1) if prefix is not None else None, use_cache=prefix is not None,
-                output_hidden_states=True, logits_to_keep=1)
+    _, last = final_hidden(model, input_ids=flat[None], position_ids=position_ids,
+                           packed_lengths=lengths.tolist(), use_cache=prefix is not None,
+                           past_key_values=prefix.cache(1) if prefix is not None else None)   # (1, L, H)
     if prefix is None:
         scored = offset > 0                           # a row's first token has no position before it
-        hidden = out.hidden_states[-1][0][every[scored] - 1]               # (N, H)
+        hidden = last[0][every[scored] - 1]                                # (N, H)
         targets = flat[scored]                                             # (N,)
         layout = attention_mask[:, 1:].bool()                              # (B, T-1)
     else:  # every token is scored by the position before it: its own row's, or the prefix's last
-        hidden = torch.cat([prefix.last_hidden(1)[0], out.hidden_states[-1][0]])       # (1 + L, H)
+        hidden = torch.cat([prefix.last_hidden(1)[0], last[0]])                        # (1 + L, H)
         hidden = hidden[torch.where(offset > 0, every, 0)]                             # (L, H)
         targets = flat                                                                 # (L,)
         layout = valid                                                                 # (B, T-P)
@@ -191,9 +198,9 @@ class SharedPrefix:
             raise ValueError("a shared prefix needs the KV cache, which transformers drops under gradient "
                              "checkpointing\n---> HINT: run the prompts whole (no prefix) with activation "
                              "checkpointing on")
-        out = model(input_ids=prefix_ids[None], use_cache=True, output_hidden_states=True, logits_to_keep=1)
+        out, last = final_hidden(model, input_ids=prefix_ids[None], use_cache=True)
         kv = [(layer[0], layer[1]) for layer in out.past_key_values]  # per layer: (1, heads, P, head_dim)
-        self._outputs = [t for pair in kv for t in pair] + [out.hidden_states[-1][:, -1:]]
+        self._outputs = [t for pair in kv for t in pair] + [last[:, -1:]]
         self._leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in self._outputs]
         self.length = prefix_ids.shape[0]
 

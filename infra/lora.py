@@ -13,8 +13,8 @@ one dtype (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
 The engine never sees an adapter: each sync and each HF export gets the merged weights under the
 base model's names (merged_weights), so vLLM, eval.py and chat.py run a plain model.
 The reference policy of train.py --kl-coef is the base: the policy itself with its adapters off
-(adapters_off), unless a module trains in full beside them (trains_adapters_only: train.py then
-loads a frozen copy).
+(adapters_off), unless a module trains in full beside them (trains_adapters_only: then
+training.load_reference loads a frozen copy).
 Checkpoints hold the adapters and their optimizer only (training.save_checkpoint leaves out frozen
 parameters: the base is the --model folder, which every run reads); training.load_checkpoint refuses
 one of another rank.
@@ -24,51 +24,48 @@ import contextlib
 import torch
 
 ADAPTER = "default"  # peft's name for the one adapter
-# Peers' RL defaults (verl's and TRL's examples, "LoRA without regret"): every linear layer of the
-# decoder, alpha fixed at 32 (so a larger rank starts no larger), no dropout. Dropout would make the
-# trainer score a different network than the engine samples: its ratio would not start at 1.
-DEFAULTS = dict(lora_alpha=32.0, lora_dropout=0.0, lora_targets="all-linear")
-# LoRA's best learning rate is about 10x full fine-tuning's, in RL as in SFT ("LoRA without regret"; the
-# toy RL in docs/benchmarks.md agrees): --lr stays full fine-tuning's, so one recipe serves both.
-LR_SCALE = 10.0
+# --lora-setting's names and defaults. Peers' RL defaults (verl's and TRL's examples, "LoRA without
+# regret"): every linear layer of the decoder but the head, alpha fixed at 32 (so a larger rank starts no
+# larger), no dropout: dropout would make the trainer score a different network than the engine samples,
+# and its ratio would not start at 1. LoRA's best learning rate is about 10x full fine-tuning's, in RL as
+# in SFT ("LoRA without regret"; the toy RL in docs/benchmarks.md agrees): --lr stays full fine-tuning's
+# and the adapters train at lr_scale x --lr, so one recipe serves both. train: comma-separated modules
+# trained in full beside the adapters, in fp32 at --lr, e.g. lm_head (the toy's: docs/benchmarks.md).
+DEFAULTS = dict(alpha=32.0, dropout=0.0, targets="all-linear", lr_scale=10.0, train="")
 
 
 def add_lora_flags(group) -> None:
-    """--lora-rank and its settings, in a script's argument group."""
+    """--lora-rank and --lora-setting, in a script's argument group."""
     group.add_argument("--lora-rank", type=int, default=0,
                        help="r > 0: rank-r LoRA adapters on a frozen base (bf16 on GPUs); 0: every weight")
-    group.add_argument("--lora-alpha", type=float, default=DEFAULTS["lora_alpha"],
-                       help="LoRA's scale is alpha / r")
-    group.add_argument("--lora-dropout", type=float, default=DEFAULTS["lora_dropout"],
-                       help="dropout on the adapters' input (RL: 0, or the trainer scores another network)")
-    group.add_argument("--lora-targets", default=DEFAULTS["lora_targets"],
-                       help="modules to adapt: all-linear (every linear layer but the LM head) or "
-                            "comma-separated names, e.g. q_proj,k_proj,v_proj,o_proj")
-    group.add_argument("--lora-lr-scale", type=float, default=LR_SCALE,
-                       help="the adapters' learning rate is --lr (full fine-tuning's) times this")
-    group.add_argument("--lora-train", default="",
-                       help="comma-separated modules trained in full beside the adapters, in fp32 at --lr "
-                            "(unscaled), e.g. lm_head (the toy's: docs/benchmarks.md)")
+    group.add_argument("--lora-setting", action="append", default=[], metavar="NAME=VALUE",
+                       help="a LoRA setting, repeatable (a later one wins): alpha (the scale is alpha / r), "
+                            "dropout, targets (all-linear or names, e.g. q_proj,v_proj), lr_scale (the "
+                            "adapters' learning rate over --lr), train (modules trained in full, e.g. "
+                            "lm_head); the defaults: " + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()))
 
 
 def peak_lr(args) -> float:
-    """The learning rate the schedule warms up to: --lr, times --lora-lr-scale with LoRA."""
-    return args.lr * args.lora_lr_scale if getattr(args, "lora_rank", 0) else args.lr
+    """The learning rate the schedule warms up to: --lr, times lr_scale with LoRA."""
+    return args.lr * lora_settings(args)["lr_scale"] if getattr(args, "lora_rank", 0) else args.lr
 
 
 def lora_settings(args) -> dict | None:
-    """What load_sharded_model's `lora` takes, from the flags; None without --lora-rank."""
+    """What load_sharded_model's `lora` takes, from --lora-rank and --lora-setting's NAME=VALUE pairs
+    over DEFAULTS; None without --lora-rank."""
     if not getattr(args, "lora_rank", 0):
         return None
-    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-    return dict(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                target_modules=targets, seed=getattr(args, "seed", 0),
-                train_modules=[name for name in args.lora_train.split(",") if name])
-
-
-def base_dtype(device) -> torch.dtype:
-    """The frozen base's dtype: bf16 on GPUs (what the engine runs), fp32 on CPUs (likewise)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    values = dict(DEFAULTS)
+    for setting in args.lora_setting:
+        name, _, value = setting.partition("=")
+        if name not in DEFAULTS:
+            raise SystemExit(f"--lora-setting {name}: not a LoRA setting\n"
+                             f"---> HINT: one of {', '.join(DEFAULTS)}")
+        values[name] = type(DEFAULTS[name])(value)
+    targets = values["targets"] if values["targets"] == "all-linear" else values["targets"].split(",")
+    return dict(r=args.lora_rank, lora_alpha=values["alpha"], lora_dropout=values["dropout"],
+                target_modules=targets, seed=getattr(args, "seed", 0), lr_scale=values["lr_scale"],
+                train_modules=[name for name in values["train"].split(",") if name])
 
 
 def add_lora(model, settings: dict):
@@ -79,6 +76,7 @@ def add_lora(model, settings: dict):
     from peft import LoraConfig, get_peft_model
     settings = dict(settings)
     seed, train_modules = settings.pop("seed", 0), settings.pop("train_modules", [])
+    settings.pop("lr_scale", None)  # (the optimizer's: param_groups)
     config = LoraConfig(task_type="CAUSAL_LM", bias="none", **settings)
     with torch.random.fork_rng(devices=[]):  # (the process's own random stream is left as it was)
         torch.manual_seed(seed)
@@ -145,14 +143,14 @@ def merged_weights(model, dtype):
 
 
 def trainable(model) -> list[torch.nn.Parameter]:
-    """The parameters AdamW trains: the adapters (and --lora-train's modules) with LoRA, else every one."""
+    """The parameters AdamW trains: the adapters (and the `train` setting's modules) with LoRA, else all."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
 def param_groups(model, args) -> list[dict]:
-    """AdamW's parameter groups, each at its peak learning rate ("lr"): the adapters at --lr x
-    --lora-lr-scale, then what is trained in full (every weight without LoRA, --lora-train's modules with
-    it) at --lr. The schedule scales each group's peak (train.py, sft.py)."""
+    """AdamW's parameter groups, each at its peak learning rate ("lr"): the adapters at --lr x lr_scale,
+    then what is trained in full (every weight without LoRA, the `train` setting's modules with it) at
+    --lr. The schedule scales each group's peak (train.py, sft.py)."""
     adapters = [p for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
     full = [p for name, p in model.named_parameters() if p.requires_grad and ".lora_" not in name]
     groups = [dict(params=adapters, lr=peak_lr(args)), dict(params=full, lr=args.lr)]

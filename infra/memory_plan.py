@@ -1,8 +1,8 @@
 """The memory plan of one GPU (and of a node's host memory) through an RL step, from the model's config.
 
-Every GPU runs one FSDP2 trainer rank and one vLLM engine (infra/engine.py, infra/training.py, train.py). The plan
-adds up, phase by phase, what each holds; P is the parameter count, N the number of GPUs, T the tokens
-of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
+Every GPU runs one FSDP2 trainer rank and one vLLM engine (infra/engine.py, infra/training.py, train.py).
+The plan adds up, phase by phase, what each holds; P is the parameter count, N the number of GPUs, T the
+tokens of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
 
 - Resume (--resume, --init-from): the checkpoint loads before the engine takes its share (or with
   it asleep). torch's get_optimizer_state_dict first materialises the optimizer state with zero
@@ -47,10 +47,10 @@ Every phase also pays the CUDA context and NCCL's buffers, and keeps a margin fr
   batch.ProblemQueue), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
   workers, each rank's process. (Rank 0 reads the model, 4P, at start-up, before any of these; a
   sandbox call may use up to its memory cap, 1 GiB, while it runs: not counted.)
-- Reference (reference=True, a KL penalty to the initial policy): a frozen bf16 copy of the weights,
-  sharded as the trainer's are (2P/N), on the GPU in every phase beside the trainer's state and moved
-  to host memory with it (offload.trainer_offloaded's frozen modules). Under LoRA the reference is the
-  base with the adapters switched off, which costs nothing more.
+- Reference (reference=True: a frozen copy for a KL penalty; run_settings follows
+  training.load_reference's rule): its bf16 weights sharded (2P/N) in every phase, offloaded with the
+  trainer; in training also its root gathered in bf16, which FSDP2 keeps until update.MiniBatch.finish.
+  A pass without gradients keeps only the final hidden states (logprobs.final_hidden).
 The engine's share goes to vLLM as gpu_memory_utilization (memory_fraction), not as the KV cache's
 bytes (kv_cache_memory_bytes): vLLM then measures its own weights, buffers, transient peak and CUDA
 graphs and sizes the KV cache to fit the share, so an estimate here that is too small shrinks the
@@ -61,13 +61,15 @@ run checklist says how to check them. The sources named are vLLM 0.32's and torc
 from dataclasses import dataclass
 
 from infra.engine import SLEEP_LEVEL
+from infra.logprobs import LOGPROB_CHUNK_TOKENS
+from infra.lora import lora_settings
+from infra.update import MICRO_BATCH_TOKENS
+from rollout import MAX_PROMPT, PROBLEMS_PER_STEP, ROLLOUTS_PER_PROBLEM, STAGE_ROLLOUTS
 
 
 # -----------------------------------------------------------------------------
-# The model's shape: its counts from its config, not its weights. Shape reads a transformers
-# config (or a dict of its fields) of a Qwen or Llama decoder.
-
-# The architectures of docs/gpu.md's table (the hub's config.json values), so it needs no download.
+# The model's shape, from a config (Shape: a Qwen or Llama decoder's counts); KNOWN holds the
+# architectures of docs/gpu.md's table (the hub's config.json values), so it needs no download.
 KNOWN = {
     "Qwen2.5-1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960,
                          num_attention_heads=12, num_key_value_heads=2, head_dim=128, vocab_size=151936,
@@ -383,12 +385,9 @@ def _allocator_reserve(trainer_terms: dict) -> dict:
     return {"allocator: reserved beyond allocated": reserve}
 
 
-def _reference(s: Shape, ranks: int, reference: bool, lora_rank: int) -> dict:
-    """8. The frozen reference model's bf16 weights per GPU, sharded as the trainer's are. Under LoRA the
-    reference is the base with the adapters switched off, which the trainer holds already."""
-    if not reference or lora_rank:
-        return {}
-    return {"reference: frozen bf16 weights": 2 * s.params // ranks}
+def _reference(s: Shape, ranks: int, reference: bool) -> dict:
+    """8. The frozen reference copy's bf16 weights per GPU, sharded as the trainer's are."""
+    return {"reference: frozen bf16 weights": 2 * s.params // ranks} if reference else {}
 
 
 def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tokens: int, offload: bool,
@@ -398,7 +397,7 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
     p = s.params
     context = {"CUDA context, NCCL": CONTEXT}
     engine, engine_asleep = _engine(s, gpu / GiB)
-    frozen = _reference(s, ranks, reference, lora_rank)
+    frozen = _reference(s, ranks, reference)
     trainer_state = {**_trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head), **frozen}
     # 2. the share is what the trainer and the context leave, less the margin; the KV cache what the
     # rest of the engine leaves of it
@@ -409,6 +408,8 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
     # reserve, which comes from the trainer's churn of tensors, does not grow with it.
     training = _training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk, lora_rank, lora_head)
     training = {**training, **_allocator_reserve(training), **frozen, **engine_asleep, **context}
+    if reference:  # 8. its root stays gathered through the micro-batches
+        training["reference: root gathered (bf16)"] = 2 * s.embedding_params
     step = _optimizer_step(s, ranks, lora_rank, lora_head)
     step = {**step, **_allocator_reserve(step), **frozen, **engine_asleep, **context}
     # 1. torch/distributed/checkpoint/state_dict.py _init_optim_state: zero gradients and a step with lr 0;
@@ -431,7 +432,8 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
 
 
 def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_tokens: int,
-         offload: str = "auto", logprob_chunk: int = 1024, rollouts_per_step: int = 512 * 32,
+         offload: str = "auto", logprob_chunk: int = LOGPROB_CHUNK_TOKENS,
+         rollouts_per_step: int = PROBLEMS_PER_STEP * ROLLOUTS_PER_PROBLEM,
          cores_per_node: int = 224, sleep_level: int = SLEEP_LEVEL, lora_rank: int = 0,
          lora_head: bool = False, reference: bool = False) -> Plan:
     """The plan for `ranks` GPUs of `gpu_gib` GiB each, training in bf16 with fp32 master weights.
@@ -465,7 +467,7 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
     # The trainer's host buffers are allocated once and kept (offload.trainer_offloaded), each at its
     # exact size: registered pageable memory, not torch's pinned pool, which rounds up to a power of two.
     state = sum(_trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head).values())
-    state += sum(_reference(s, ranks, reference, lora_rank).values())
+    state += sum(_reference(s, ranks, reference).values())
     host = {"engines asleep: pinned backups": per_node * engine_host_backup(s, sleep_level),
             "trainer offloaded: pinned weights, moments": per_node * state if chosen else 0,
             "trajectories: each rank's own, every one's numbers":
@@ -477,18 +479,13 @@ def plan(config, ranks: int, gpu_gib: float, micro_batch_tokens: int, rollout_to
             "sandbox workers": slots * SANDBOX_SLOT,
             "processes": per_node * PROCESS_HOST}
     moved = 2 * state if chosen else 0
+    lora = f", LoRA rank {lora_rank}{' and the head' if lora_head else ''}" if lora_rank else ""
     return Plan(params=p, gpu=gpu, ranks=ranks, rollout_tokens=rollout_tokens, phases=phases, host=host,
                 memory_fraction=max(0.0, share / gpu), kv_cache=phases["rollout"]["engine: KV cache"],
                 rollouts_at_once=at_once, offload=chosen,
                 rollouts_with_offload={False: without, True: with_},
                 offload_bytes_per_step=moved, offload_seconds=moved / HOST_LINK_BYTES_PER_S,
-                training=_training_label(lora_rank, lora_head, reference))
-
-
-def _training_label(lora_rank: int, lora_head: bool, reference: bool) -> str:
-    """What describe's first line says of the training beyond full fine-tuning."""
-    label = f", LoRA rank {lora_rank}{' and the head' if lora_head else ''}" if lora_rank else ""
-    return label + (", a frozen reference" if reference and not lora_rank else "")
+                training=lora + (", a frozen reference" if reference else ""))  # (describe's first line)
 
 
 def _terms(terms: dict, indent: str) -> list[str]:
@@ -527,7 +524,8 @@ def describe(p: Plan, ranks: int) -> str:
     return "\n".join(lines)
 
 
-def sizing_table(ranks: int = 8, micro_batch_tokens: int = 8192, rollout_tokens: int = 2048 + 8192) -> str:
+def sizing_table(ranks: int = 8, micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+                 rollout_tokens: int = MAX_PROMPT + STAGE_ROLLOUTS[1]["max_response"]) -> str:
     """docs/gpu.md's table: the KNOWN models on 80 and 192 GiB GPUs, stage 1, offload auto."""
     rows = ["| model | parameters | KV per token | GPUs | trainer offload | KV cache | rollouts at once "
             "| peak GiB: resume / training / optimizer step / sync | host per node |",
@@ -551,12 +549,21 @@ def add_plan_flags(group) -> None:
     group.add_argument("--offload-trainer", choices=["auto", "on", "off"], default="auto",
                        help="the trainer's fp32 shards and AdamW moments in host memory while the engine "
                             "rolls out (auto: when the plan says it doubles the rollouts the engine holds)")
-    group.add_argument("--plan", action="store_true",
-                       help="print the memory plan per GPU (from the model's config alone) and exit")
-    group.add_argument("--gpu-memory", type=float, default=None,
-                       help="GiB per GPU for the plan (default: this GPU's, else 80)")
-    group.add_argument("--plan-gpus", type=int, default=None,
-                       help="GPUs for --plan (default: torchrun's world size, else 8)")
+    group.add_argument("--plan", nargs="?", const="auto", default=None, metavar="GPUSxGIB",
+                       help="print the memory plan per GPU (from the model's config alone) and exit: "
+                            "for GPUS GPUs of GIB GiB, e.g. 8x80 (default: torchrun's world size, else 8; "
+                            "this GPU's memory, else 80)")
+
+
+def run_settings(args) -> dict:
+    """What plan() takes of train.py's flags. A reference copy where training.load_reference loads one:
+    a KL penalty without LoRA, or with a module trained in full beside the adapters."""
+    trained_in_full = (lora_settings(args) or {}).get("train_modules", [])
+    return dict(micro_batch_tokens=args.micro_batch_tokens,
+                rollout_tokens=args.max_prompt + args.max_response,
+                rollouts_per_step=args.problems_per_step * args.rollouts_per_problem,
+                lora_rank=args.lora_rank, lora_head="lm_head" in trained_in_full,
+                reference=args.kl_coef > 0 and not (args.lora_rank and not trained_in_full))
 
 
 def plan_for_model(model: str, ranks: int, gpu_gib: float | None = None, **settings) -> Plan:
@@ -570,27 +577,31 @@ def plan_for_model(model: str, ranks: int, gpu_gib: float | None = None, **setti
     return plan(config, ranks, gpu_gib, **settings)
 
 
-def report(model: str, ranks: int, **settings) -> int:
-    """train.py --plan: print the plan; the exit status says whether it fits (0) or not (1)."""
-    p = plan_for_model(model, ranks, **settings)
-    print(describe(p, ranks))
+def report(args, world_size: int) -> int:
+    """train.py --plan: print the plan of its flags; the exit status says whether it fits (0) or not (1)."""
+    gpus, _, gib = ("" if args.plan == "auto" else args.plan).partition("x")  # GPUSxGIB
+    gpus, gib = int(gpus or world_size or 8), float(gib) if gib else None  # (None: this GPU's, else 80)
+    trained = (lora_settings(args) or {}).get("train_modules", [])
+    if [m for m in trained if m != "lm_head"]:
+        print(f"(the plan counts a trained lm_head, not {','.join(trained)}: 14 bytes a parameter more)")
+    p = plan_for_model(args.model, gpus, gib, offload=args.offload_trainer, **run_settings(args))
+    print(describe(p, gpus))
     return 0 if p.fits else 1
 
 
-def gpu_settings(fraction: str, offload: str, device, model: str, ranks: int, log,
-                 **settings) -> tuple[float | None, bool]:
-    """train.py's (engine share, offload the trainer?). On GPUs the plan, which `log` prints, decides
-    what is "auto" (SystemExit with what to do if it does not fit); on CPUs there is no share and the
-    trainer offloads only when asked ("on": the same code path, copies within host memory)."""
+def gpu_settings(args, device, ranks: int, log) -> tuple[float | None, bool]:
+    """train.py's (engine share, offload the trainer?) from its flags. On GPUs the plan, which `log`
+    prints, decides what is "auto" (SystemExit with what to do if it does not fit); on CPUs there is no
+    share and the trainer offloads only when asked ("on": the same code path, copies within host memory)."""
     if device.type != "cuda":
-        return None, offload == "on"
-    p = plan_for_model(model, ranks, offload=offload, **settings)
+        return None, args.offload_trainer == "on"
+    p = plan_for_model(args.model, ranks, offload=args.offload_trainer, **run_settings(args))
     log(describe(p, ranks))
     if not p.fits:
         raise SystemExit("the memory plan above does not fit these GPUs\n---> HINT: --offload-trainer on, "
                          "fewer --micro-batch-tokens, more GPUs (the trainer's share shrinks with them), "
                          "or a smaller model")
-    return (p.memory_fraction if fraction == "auto" else float(fraction)), p.offload
+    return (p.memory_fraction if args.memory_fraction == "auto" else float(args.memory_fraction)), p.offload
 
 
 if __name__ == "__main__":  # self-check: prints docs/gpu.md's sizing table

@@ -7,11 +7,12 @@ for a KL penalty. Each tensor's storage is copied into a host buffer and freed o
 reallocated and copied back, so every tensor, view and DTensor keeps its identity: FSDP2's shards and the
 optimizer's keys stay valid.
 
-Host buffers are allocated once, at their exact size, pinned once and reused every round: a fresh pinned
-page costs 20x a reused one (docs/gpu.md). A tensor's host buffer is keyed by (module, kind, index): the
-module's place (0 the trainer's model, then the frozen ones in order), what the tensor is ("param",
-"buffer", or an optimizer state such as "exp_avg"), and its index among the module's parameters or
-buffers. Within one device the copies are plain copies, so a CPU run takes the same code path.
+Host buffers are allocated once, at their exact size, pinned once and reused every round: at 1.7B the
+first offload into fresh pinned pages took 10 to 40 times the later ones (docs/gpu.md); a buffer
+replaced by one of another size is unpinned first, or CUDA would refuse to register its pages again.
+A tensor's host buffer is keyed by (module, kind, index): the module's place (0 the trainer's model,
+then the frozen ones in order), what the tensor is ("param", "buffer", or an optimizer state such as
+"exp_avg"), and its index among the module's parameters or buffers. Within one device the copies are plain copies, so a CPU run takes the same code path.
 """
 import contextlib
 import weakref
@@ -26,7 +27,7 @@ _HOST_BUFFERS = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
-def trainer_offloaded(model, optimizer, device, offload: bool = True, frozen=()):
+def trainer_offloaded(model, optimizer, offload: bool = True, frozen=()):
     """The trainer's state (and `frozen` modules' weights) in host memory for the block, back on
     `device` after; yields the host buffers. On every device the block runs without expandable segments,
     offloading or not: the engine wakes in it, and vLLM's sleep pools want plain segments
@@ -79,6 +80,13 @@ def _host_buffer(nbytes: int, source):
     return buffer
 
 
+def _release(buffer, source) -> None:
+    """Unpin a host buffer that _host_buffer pinned, before it is freed (torch 2.13's cudaHostUnregister)."""
+    if source.type == "cuda" and buffer.numel():
+        from torch.cuda._pin_memory_utils import unpin_memory
+        unpin_memory(buffer.data_ptr())
+
+
 def _bytes(storage):
     """A storage as a flat uint8 tensor over all of it."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -87,6 +95,8 @@ def _bytes(storage):
 def _offload(storages: dict, buffers: dict) -> None:
     for key, (storage, nbytes) in storages.items():
         if key not in buffers or buffers[key].numel() != nbytes:
+            if key in buffers:
+                _release(buffers.pop(key), storage.device)
             buffers[key] = _host_buffer(nbytes, storage.device)
         buffers[key].copy_(_bytes(storage), non_blocking=True)
     _synchronize()  # every copy must be done before its source is freed

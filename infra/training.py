@@ -1,17 +1,16 @@
 """The training machinery sft.py and train.py share (eval.py uses the process group).
 
-- The process group: torchrun's or one of one; NCCL on GPUs, gloo on CPUs, with a timeout that fits
-  RL, and a gloo group for objects and waits: no rank ever waits inside an NCCL collective.
+- The process group: torchrun's or one of one; NCCL on GPUs, gloo on CPUs, its collectives with a
+  timeout of minutes, and a gloo group with a long one for objects and waits: no rank ever waits
+  inside an NCCL collective, and a rank that stops answering in training fails the job in minutes.
 - The model: rank 0 reads the checkpoint, the others build it on the meta device; FSDP2 shards each
   decoder layer, then the root; bf16 compute over fp32 master weights on GPUs, fp32 on CPUs; the
-  trainer's GPU memory in expandable segments (off while the engine is awake).
-- Micro-batches: a step's sequences dealt longest first to the rank with the fewest tokens, each
-  share cut by a token budget (rows x the longest, or with packing the tokens alone), as many passes
-  on every rank (FSDP's collectives need them all). The token log-probs both losses use: infra/logprobs.py.
+  trainer's GPU memory in expandable segments (off while the engine is awake); the reference policy
+  of a KL penalty.
 - The HF export, by rank 0 (the engine gets the weights through engine.full_weights).
 - Checkpoints: sharded, written to step_N.tmp and renamed to step_N once complete (a crash never
   leaves a broken step_N), the newest N kept, loaded with or without the optimizer; with LoRA, the
-  adapters only. The run's logs are rewound to the checkpoint on resume.
+  adapters only. The run's logs are rewound to the checkpoint on resume; the collapse alarm.
 - Files: the check that every rank sees the output folder (all write checkpoints, one renames).
 """
 import copy
@@ -32,12 +31,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from conversation import chat_template
-from infra.lora import add_lora, base_dtype, is_lora, lora_rank, merged_weights
+from infra.engine import engine_dtype
+from infra.lora import add_lora, is_lora, lora_rank, merged_weights, trains_adapters_only
 
 # -----------------------------------------------------------------------------
 # The process group
 
-DIST_TIMEOUT_MINUTES = 240  # longer than a rank ever waits: a stage-2 straggler, a 30K-token evaluation
+WAIT_TIMEOUT_MINUTES = 240  # the gloo group's: longer than a rank ever waits on the others' rollouts
+TIMEOUT_MINUTES = 30  # the training's collectives: ranks in step, so a wait this long is a hang
 _cpu_group = None
 
 
@@ -68,9 +69,10 @@ def gpus_torch_cannot_use() -> str | None:
     return None
 
 
-def init_distributed(timeout_minutes: float = DIST_TIMEOUT_MINUTES):
-    """Join torchrun's process group, or make one of one. Returns (rank, local_rank, world_size, device).
-    A GPU build of torch that cannot use the machine's GPUs stops here, with what to do."""
+def init_distributed(timeout_minutes: float = TIMEOUT_MINUTES, wait_minutes: float = WAIT_TIMEOUT_MINUTES):
+    """Join torchrun's process group, or make one of one: its collectives (FSDP's; NCCL on GPUs) fail
+    after `timeout_minutes`, the gloo group's waits (cpu_group) after `wait_minutes`. Returns (rank,
+    local_rank, world_size, device). A GPU build of torch that cannot use the GPUs stops here, saying why."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -86,12 +88,13 @@ def init_distributed(timeout_minutes: float = DIST_TIMEOUT_MINUTES):
     elif not dist.is_initialized():  # a group of one needs no rendezvous: an in-process store, no port
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     global _cpu_group
-    _cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    _cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=wait_minutes))
     return rank, local_rank, world_size, device
 
 
 def cpu_group():
-    """The gloo group for objects and waits (NCCL's watchdog kills a rank that waits inside NCCL)."""
+    """The gloo group for objects and waits, with init_distributed's long timeout (NCCL's watchdog kills a
+    rank that waits inside NCCL; a wait for a straggler's rollouts is not a hang)."""
     return _cpu_group
 
 # -----------------------------------------------------------------------------
@@ -128,13 +131,13 @@ def expandable_segments(on: bool) -> None:
 
 def load_sharded_model(path: str, device, activation_checkpointing: bool = False, lora: dict | None = None,
                        frozen: bool = False):
-    """The model at `path`, sharded: fp32, or with `lora` (lora.lora_settings) a frozen base (bf16 on GPUs)
-    and fp32 adapters, or `frozen` whole (a reference policy, in the base's dtype). Only rank 0 reads
-    the weights (a node holds one full copy, not one per rank: 8 x 59 GB at 14B); the others build it
+    """The model at `path`, sharded: fp32, or with `lora` (lora.lora_settings) a frozen base in the
+    engine's dtype and fp32 adapters, or `frozen` whole (a reference policy, in that dtype). Only rank 0
+    reads the weights (a node holds one full copy, not one per rank: 8 x 59 GB at 14B); the others build it
     on the meta device, and rank 0's state and buffers (rotary frequencies) are broadcast into every
     rank's shards. The trainer's memory: expandable segments."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    dtype = base_dtype(device) if lora or frozen else torch.float32
+    dtype = engine_dtype(device) if lora or frozen else torch.float32  # (what a sync would cast to)
     expandable_segments(True)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -160,39 +163,12 @@ def load_sharded_model(path: str, device, activation_checkpointing: bool = False
     return model.eval() if frozen else model
 
 
-# -----------------------------------------------------------------------------
-# Micro-batches
-
-
-def plan_micro_batches(lengths: list[int], budget: int, world_size: int,
-                       packed: bool = False) -> list[list[list[int]]]:
-    """Per rank, its micro-batches as lists of indices into `lengths`: rows x longest row <= budget, or
-    with `packed` (rows run back to back, logprobs.token_logprobs(packed=True)) their tokens <= budget,
-    each sequence in the first micro-batch with room; a longer sequence goes alone. All ranks get as
-    many (empty ones at the end: see logprobs.empty_pass)."""
-    shares, load = [[] for _ in range(world_size)], [0] * world_size
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # longest first, to the lightest rank
-        lightest = load.index(min(load))
-        shares[lightest].append(i)
-        load[lightest] += lengths[i]
-    plans = []
-    for share in shares:  # each share is longest first: a micro-batch's first row is its longest
-        batches, tokens = [], []
-        for i in share:
-            if packed:  # (first fit, longest first: a few percent above the fewest micro-batches at most)
-                room = [j for j, n in enumerate(tokens) if n + lengths[i] <= budget][:1]
-            else:  # rows padded to the first (longest) row: only the last micro-batch may take more
-                fits = batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget
-                room = [len(batches) - 1] if fits else []
-            if room:
-                batches[room[0]].append(i)
-                tokens[room[0]] += lengths[i]
-            else:
-                batches.append([i])
-                tokens.append(lengths[i])
-        plans.append(batches)
-    passes = max(len(batches) for batches in plans)
-    return [batches + [[] for _ in range(passes - len(batches))] for batches in plans]
+def load_reference(model, path: str, device):
+    """grpo_roc.py (12)'s reference policy: the model at `path` as loaded, whatever checkpoint the run
+    continues. Under LoRA with only adapters training, the policy itself with its adapters off
+    (lora.adapters_off: no second copy); otherwise a frozen copy, loaded as the policy is. The memory
+    plan counts the copy by the same rule (memory_plan.run_settings)."""
+    return model if trains_adapters_only(model) else load_sharded_model(path, device, frozen=True)
 
 
 # -----------------------------------------------------------------------------
@@ -236,7 +212,10 @@ def complete_checkpoints(root: str) -> list[str]:
 TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def save_checkpoint(model, optimizer, root: str, step: int, meta: dict, keep: int = 0) -> None:
+KEEP_CHECKPOINTS = 3  # the newest kept: a 14B checkpoint with its optimizer is ~170 GB
+
+
+def save_checkpoint(model, optimizer, root: str, step: int, meta: dict, keep: int = KEEP_CHECKPOINTS) -> None:
     """Write step_N (model, optimizer, `meta` + the step), keep the newest `keep` (0: all): every rank."""
     final = os.path.join(root, f"step_{step}")
     tmp = final + ".tmp"
@@ -265,10 +244,10 @@ def load_checkpoint(model, optimizer, path: str, with_optimizer: bool = True) ->
     state = {"model": get_model_state_dict(model, options=TRAINED)}
     held = {k.removeprefix("model.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
             if k.startswith("model.")}
-    if held != set(state["model"]):  # (e.g. another --lora-train: dcp.load would not say why)
+    if held != set(state["model"]):  # (e.g. another train= setting: dcp.load would not say why)
         raise SystemExit(f"{path} holds other trained weights than this run trains (such as "
                          f"{sorted(held ^ set(state['model']))[0]})\n"
-                         f"---> HINT: continue a run with its own --model, --lora-rank and --lora-train")
+                         f"---> HINT: continue a run with its own --model, --lora-rank and --lora-setting")
     if with_optimizer:  # (materialises the optimizer's state: one zero step of AdamW, torch 2.13)
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=path)
@@ -289,14 +268,13 @@ def find_checkpoint(path: str) -> str:
     return found[-1]
 
 
-def start_point(model, optimizer, root: str, resume: bool, init_from: str | None, reset_optimizer: bool,
-                data: str) -> dict:
-    """Where a run starts, loaded into `model` and `optimizer`: with `resume`, the newest checkpoint
-    under `root` (its logs rewound to it: the steps after it were lost); else with `init_from`, an
+def start_point(model, optimizer, root: str, init_from: str | None, reset_optimizer: bool, data: str) -> dict:
+    """Where a run starts, loaded into `model` and `optimizer`: the newest checkpoint under `root` if it
+    has one (a run goes on where it stopped; its logs rewound to it); else with `init_from`, an
     earlier stage's newest, its optimizer unless `reset_optimizer`, and its data position if it read
     the same `data`; else the beginning. Returns {"step", "position", "stream_start", "message"}."""
     start = dict(step=0, position=0, stream_start=0, message="starting from the model's weights")
-    if resume and complete_checkpoints(root):
+    if complete_checkpoints(root):
         meta = load_checkpoint(model, optimizer, complete_checkpoints(root)[-1])
         start = dict(step=meta["step"], position=meta["position"], stream_start=meta["stream_start"],
                      message=f"resumed from {root}/step_{meta['step']}: step {meta['step']}, "
@@ -324,6 +302,18 @@ def rewind_logs(out_dir: str, step: int) -> None:
             kept = [r for r in records if r and int(re.match(record + r"(\d+)", r).group(1)) <= step]
             with open(path, "w", encoding="utf-8") as f:
                 f.writelines(kept)
+
+
+def collapse_alarms(history: list[dict], row: dict, keys=("tool_calls", "turns")) -> list[str]:
+    """The metrics of this step's `row` that fell below half their running mean over the earlier
+    steps' rows (`history`): tool use collapsing, seen at the step it starts, not in the final eval."""
+    alarms = []
+    for key in keys:
+        past = [h[key] for h in history]
+        mean = sum(past) / max(len(past), 1)
+        if past and row[key] < 0.5 * mean:
+            alarms.append(f"{key} {row[key]:.2f} fell below half its running mean {mean:.2f}")
+    return alarms
 
 # -----------------------------------------------------------------------------
 # Files

@@ -66,7 +66,7 @@ def test_dynamic_sampling_draws_until_the_step_holds_its_mixed_groups_and_trains
         tmp_path, toy_sft_model, toy_world):
     data = toy_world / "train.jsonl"
     plain = train(tmp_path / "plain", toy_sft_model, data)
-    dynamic = train(tmp_path / "dynamic", toy_sft_model, data, "--dynamic-sampling", "--max-draws", "3")
+    dynamic = train(tmp_path / "dynamic", toy_sft_model, data, "--dynamic-sampling", "3")
     for row in plain:  # without the flag: one draw, and the all-equal groups are dropped by RoC
         assert row["drawn_problems"] == 8 and row["mixed_share"] == row["mixed_groups"] / 8
         assert row["dropped_groups"] == 8 - row["mixed_groups"]

@@ -264,5 +264,48 @@ def _gather_rank_main(folder: str):
     torch.distributed.destroy_process_group()
 
 
+# -- the end of a run -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_engine_shuts_down_and_leaves_the_process_group_to_the_trainer(tmp_path, toy_world):
+    """vLLM 0.32's own shutdown of an engine destroys torch.distributed's default group (whenever the
+    collector frees it): engine.shutdown frees the engine now and leaves the group, so train.py's ranks
+    meet in a barrier and destroy it once. Then a second engine starts in the same process."""
+    cmd = [sys.executable, __file__, str(tmp_path), "shutdown", str(toy_world / "init_model")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "shutdown.json").read_text())
+    assert result == {"group_after_shutdown": True, "barrier": "met", "group_at_the_end": False,
+                      "second_engine": "started"}, result
+
+
+def _shutdown_main(folder: str, model: str):
+    """The process of the test above."""
+    import gc
+    import torch.distributed as dist
+    from infra.engine import make_engine, shutdown
+    from infra.training import cpu_group, init_distributed
+    init_distributed()
+    result = {}
+    llm = make_engine(model, max_model_len=256, kv_cache_tokens=2048)
+    shutdown(llm)
+    del llm
+    gc.collect()  # (what would have run vLLM's own shutdown)
+    result["group_after_shutdown"] = dist.is_initialized()
+    dist.barrier(group=cpu_group())
+    result["barrier"] = "met"
+    llm = make_engine(model, max_model_len=256, kv_cache_tokens=2048)
+    result["second_engine"] = "started"
+    shutdown(llm)
+    dist.destroy_process_group()
+    result["group_at_the_end"] = dist.is_initialized()
+    with open(f"{folder}/shutdown.json", "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
-    _gather_rank_main(sys.argv[1])
+    if sys.argv[2:3] == ["shutdown"]:
+        _shutdown_main(sys.argv[1], sys.argv[3])
+    else:
+        _gather_rank_main(sys.argv[1])

@@ -1,5 +1,5 @@
 """Where a batch's tokens live: every rank gets every trajectory's numbers (ProblemQueue.gather) and
-the tokens of the trajectories it trains on (ProblemQueue.exchange), from the rank that rolled them out."""
+the tokens of the trajectories it trains on (batch.exchange), from the rank that rolled them out."""
 import json
 import os
 import pickle
@@ -12,7 +12,7 @@ import pytest
 
 from conftest import torchrun
 from rollout import Trajectory, trajectory_metrics
-from infra.batch import ProblemQueue, without_payload
+from infra.batch import ProblemQueue, exchange, without_payload
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEMS, SAMPLES = 6, 4
@@ -37,7 +37,7 @@ def same_tokens(a: Trajectory, b: Trajectory) -> bool:
 
 def plan_of(kept: list[Trajectory], world_size: int) -> list:
     """Who trains what, as train.py plans it: the micro-batch plan over the kept trajectories' lengths."""
-    from infra.training import plan_micro_batches
+    from infra.batch import plan_micro_batches
     return plan_micro_batches([t.prompt_length + t.response_length for t in kept], 64, world_size)
 
 
@@ -52,10 +52,10 @@ def test_one_rank_gathers_and_exchanges_nothing():
     trajs = [rolled_out(i, s) for i in range(PROBLEMS) for s in range(SAMPLES)]
     queue = ProblemQueue()
     gathered = queue.gather(trajs)
-    kept = queue.exchange(gathered, plan_of(gathered, 1))
+    kept = exchange(gathered, plan_of(gathered, 1))
     assert all(a is b for a, b in zip(kept, trajs)) and len(kept) == len(trajs)
     with pytest.raises(RuntimeError, match="HINT"):  # tokens that no rank holds
-        queue.exchange([without_payload(trajs[0])], [[[0]]])
+        exchange([without_payload(trajs[0])], [[[0]]])
 
 
 def test_a_trajectorys_numbers_are_small_and_read_like_its_own():
@@ -117,7 +117,7 @@ def _rank_main(out: str):
                         and t.prompt_length == rolled_out(t.index, t.sample).prompt_length for t in gathered)
     held = [[t.index, t.sample] for t in gathered if t.response_ids is not None and t.text is not None]
     kept = [t for t in gathered if (t.index + t.sample) % 3]      # what down-sampling kept
-    kept = queue.exchange(kept, plan_of(kept, world_size))
+    kept = exchange(kept, plan_of(kept, world_size), queue.group)
     with_tokens = [t for t in kept if t.response_ids is not None]
     result = {"gathered": [[t.index, t.sample] for t in gathered], "numbers_equal": numbers_equal,
               "held": held, "rolled_here": [[t.index, t.sample] for t in gathered if t.rank == rank],

@@ -261,6 +261,8 @@ def test_the_readme_fork_applies_and_passes_the_tests_it_touches(name, tmp_path)
                              capture_output=True, text=True)
     assert applied.returncode == 0, f"the {name} fork no longer applies:\n{applied.stderr}\n" \
                                     "---> HINT: update its patch (README.md or docs/forks.md) to today's code"
+    assert "offset" not in applied.stderr, f"the {name} fork's hunk headers name other lines than it " \
+                                           f"changes:\n{applied.stderr}---> HINT: correct its @@ lines"
     tests, check = FORKS[name]
     (copy / "tests" / "test_fork_check.py").write_text(textwrap.dedent(check))
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -147,8 +147,34 @@ def test_the_lora_references_pass_leaves_the_policys_update_as_it_was(base_dir, 
 
 
 def test_lora_with_a_module_trained_in_full_gets_a_frozen_copy_of_the_base(base_dir):
-    """With --lora-train lm_head the head trains too: with the adapters off it would still be trained."""
-    model = lora_model(base_dir, "--lora-train", "lm_head")
+    """With --lora-setting train=lm_head the head trains too: with the adapters off it would still be trained."""
+    model = lora_model(base_dir, "--lora-setting", "train=lm_head")
     assert not trains_adapters_only(model), "with a trained head, adapters_off would still run it trained"
     reference = load_sharded_model(str(base_dir), CPU, frozen=True)
     torch.testing.assert_close(scores(reference), scores(tiny_model()), msg="the copy is not the base")
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"],
+                                  ["--lora-rank", "4", "--lora-setting", "train=lm_head"]],
+                         ids=["full", "adapters", "adapters-and-head"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_the_memory_plan_counts_a_reference_copy_exactly_where_training_loads_one(base_dir, lora, kl_coef):
+    """train.py loads its reference with training.load_reference; the plan decides from the flags alone
+    (memory_plan.run_settings). They must agree in every LoRA / KL combination: a copy under LoRA with
+    the head trained in full was once loaded and not counted (about 28 GB more at 14B)."""
+    from infra.memory_plan import plan, run_settings
+    from infra.training import load_reference
+    parser = argparse.ArgumentParser()
+    add_lora_flags(parser)
+    flags = parser.parse_args(lora)
+    flags.__dict__.update(kl_coef=kl_coef, micro_batch_tokens=512, max_prompt=100, max_response=400,
+                          problems_per_step=2, rollouts_per_problem=2)
+    model = load_sharded_model(str(base_dir), CPU, lora=lora_settings(flags)).train()
+    reference = load_reference(model, str(base_dir), CPU) if kl_coef else None
+    loads_a_copy = reference is not None and reference is not model
+    settings = run_settings(flags)
+    counted = plan(tiny_model().config, 1, 10, **settings).phases["training"]
+    plans_a_copy = "reference: frozen bf16 weights" in counted
+    assert plans_a_copy == loads_a_copy, f"the plan counts a copy: {plans_a_copy}, train.py loads one: {loads_a_copy}"
+    adapters_alone = lora == ["--lora-rank", "4"]
+    assert loads_a_copy == (kl_coef > 0 and not adapters_alone), "a copy: with the penalty, unless adapters alone train"

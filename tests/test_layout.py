@@ -48,11 +48,17 @@ def test_the_root_holds_the_paper_and_the_scripts_and_the_package_the_plumbing()
     """A reader of the paper opens the root; the plumbing waits in one package. The package is all
     libraries, and it never reads a script (it may read the paper's records, such as the trajectory)."""
     root = sorted(p.name for p in ROOT.glob("*.py"))
-    assert len(root) <= 12, f"{len(root)} files at the root: {root}\n---> HINT: plumbing goes in infra/"
+    assert len(root) <= 12, f"{len(root)} files at the root: {root}\n---> HINT: the plumbing goes in infra/"
     package = [p for p in FILES if p.parent == PACKAGE]
     assert package and not [p.name for p in package if is_script(p)], "infra/ holds libraries only"
     assert (PACKAGE / "__init__.py").read_text().count("\n") < 20, "infra/__init__.py is a docstring, no code"
-    assert "import" not in (PACKAGE / "__init__.py").read_text(), "no facade: infra/__init__.py forwards nothing"
+    assert "import" not in (PACKAGE / "__init__.py").read_text(), "no facade: infra/__init__.py forwards none"
+
+
+def test_train_py_reads_few_of_the_projects_modules():
+    """train.py's imports are a reader's map of one RL step: at most 10 of the project's modules."""
+    imported = sorted(str(p.relative_to(ROOT)) for p in project_imports(ROOT / "train.py"))
+    assert len(imported) <= 10, f"train.py imports {len(imported)} project modules: {imported}"
 
 
 def test_no_file_imports_a_script():
@@ -114,3 +120,20 @@ def test_every_torchrun_of_the_tests_takes_a_free_port():
     tests = sorted((ROOT / "tests").glob("test_*.py"))
     raw = [path.name for path in tests if launch.search(path.read_text())]
     assert not raw, f"{raw} start torch.distributed.run themselves\n---> HINT: use conftest.torchrun(n)"
+
+
+def test_every_requirements_file_installs_what_the_code_imports_beside_torch_and_vllm():
+    """A GPU machine of either kind must run every option: the packages the code imports that neither
+    torch nor vLLM brings are in each requirements file (ROCm's lacked peft, which --lora-rank needs)."""
+    needed = {"peft": "peft", "math_verify": "math-verify", "datasets": "datasets", "numpy": "numpy",
+              "tqdm": "tqdm", "matplotlib": "matplotlib"}
+    nodes = [node for path in FILES for node in ast.walk(ast.parse(path.read_text()))]
+    imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom)}
+    unused = sorted(set(needed) - imported)
+    assert not unused, f"the code no longer imports {unused}: update this test"
+    for requirements in sorted(ROOT.glob("requirements*.txt")):
+        names = {line.split("#")[0].split("==")[0].strip() for line in requirements.read_text().splitlines()}
+        missing = sorted(package for package in needed.values() if package not in names)
+        assert not missing, f"{requirements.name} lacks {missing}\n---> HINT: add them, pinned as the others"

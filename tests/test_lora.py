@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from infra.lora import LR_SCALE, add_lora_flags, hf_name, lora_settings, merged_weights, param_groups, trainable
+from infra.lora import DEFAULTS, add_lora_flags, hf_name, lora_settings, merged_weights, param_groups, trainable
 from infra.logprobs import token_logprobs
 from test_update import rollouts, tiny_model, update
 from infra.training import init_distributed, load_sharded_model, save_checkpoint, save_hf_checkpoint, start_point
@@ -139,7 +139,7 @@ def test_a_lora_checkpoint_holds_adapters_and_optimizer_and_resume_restores_both
 
     fresh = lora_model(base_dir)
     fresh_optimizer = torch.optim.AdamW(trainable(fresh), lr=1e-2)
-    start = start_point(fresh, fresh_optimizer, str(root), True, None, False, "d")
+    start = start_point(fresh, fresh_optimizer, str(root), None, False, "d")
     assert start["step"] == 2 and start["position"] == 16
     assert torch.equal(scores(fresh, IDS), scores(model, IDS)), "resume did not restore the adapters"
     moments = [(optimizer.state[p]["exp_avg"].full_tensor(),
@@ -149,7 +149,7 @@ def test_a_lora_checkpoint_holds_adapters_and_optimizer_and_resume_restores_both
 
     reset = lora_model(base_dir)
     reset_optimizer = torch.optim.AdamW(trainable(reset), lr=1e-2)
-    start = start_point(reset, reset_optimizer, str(tmp_path / "elsewhere"), False, str(root), True, "d")
+    start = start_point(reset, reset_optimizer, str(tmp_path / "elsewhere"), str(root), True, "d")
     assert torch.equal(scores(reset, IDS), scores(model, IDS)), "--init-from did not load the adapters"
     assert not reset_optimizer.state, "--reset-optimizer must start AdamW afresh"
 
@@ -181,8 +181,8 @@ def test_a_checkpoint_of_another_rank_says_what_to_do(base_dir, tmp_path):
     save_checkpoint(model, optimizer, str(tmp_path), 1, meta)
     full = load_sharded_model(str(base_dir), torch.device("cpu")).train()
     with pytest.raises(SystemExit, match="trained with --lora-rank 4, this run has --lora-rank 0"):
-        start_point(full, torch.optim.AdamW(full.parameters()), str(tmp_path / "new"), False, str(tmp_path),
-                    False, "d")
+        start_point(full, torch.optim.AdamW(full.parameters()), str(tmp_path / "new"), str(tmp_path), False,
+                    "d")
 
 
 def full(tensor):
@@ -190,14 +190,14 @@ def full(tensor):
 
 
 def test_lora_train_trains_the_head_in_full_at_the_unscaled_lr_and_the_merge_carries_it(base_dir):
-    """--lora-train lm_head: AdamW's groups are the adapters at --lr x scale and the head (fp32) at --lr;
+    """--lora-setting train=lm_head: AdamW's groups are the adapters at --lr x scale and the head (fp32) at --lr;
     an update changes those alone; the merged weights hold the trained head and score as the trainer."""
-    args = lora_flags("--lora-train", "lm_head")
+    args = lora_flags("--lora-setting", "train=lm_head")
     args.lr = 1e-3
     model = load_sharded_model(str(base_dir), torch.device("cpu"), lora=lora_settings(args)).train()
     groups = param_groups(model, args)
     head = model.base_model.model.lm_head.weight
-    assert [group["lr"] for group in groups] == [1e-3 * args.lora_lr_scale, 1e-3]
+    assert [group["lr"] for group in groups] == [1e-3 * DEFAULTS["lr_scale"], 1e-3]
     assert groups[1]["params"] == [head] and head.dtype == torch.float32 and head.requires_grad
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(groups)
@@ -214,10 +214,10 @@ def test_lora_train_trains_the_head_in_full_at_the_unscaled_lr_and_the_merge_car
 
 
 def test_a_checkpoint_with_the_head_trained_resumes_both_groups(base_dir, tmp_path):
-    """--lora-train lm_head: the checkpoint holds the adapters and the head and both groups' moments; a
+    """--lora-setting train=lm_head: the checkpoint holds the adapters and the head and both groups' moments; a
     resume restores them, and each group keeps its own learning rate."""
     def trained(steps):
-        args = lora_flags("--lora-train", "lm_head")
+        args = lora_flags("--lora-setting", "train=lm_head")
         args.lr = 1e-3
         model = load_sharded_model(str(base_dir), torch.device("cpu"), lora=lora_settings(args)).train()
         optimizer = torch.optim.AdamW(param_groups(model, args))
@@ -228,23 +228,23 @@ def test_a_checkpoint_with_the_head_trained_resumes_both_groups(base_dir, tmp_pa
     meta = dict(position=16, stream_start=0, config={"data": "d", "lora_rank": RANK})
     save_checkpoint(model, optimizer, str(tmp_path), 2, meta)
     fresh, fresh_optimizer = trained(0)
-    start_point(fresh, fresh_optimizer, str(tmp_path), True, None, False, "d")
+    start_point(fresh, fresh_optimizer, str(tmp_path), None, False, "d")
     # (the sharded head AdamW holds: after a forward FSDP2 leaves the root's weights unsharded on the module)
     head, fresh_head = model.base_model.model.lm_head.weight, fresh.base_model.model.lm_head.weight
     moments = full(optimizer.state[head]["exp_avg"]), full(fresh_optimizer.state[fresh_head]["exp_avg"])
     assert torch.equal(*moments), "resume did not restore the head's AdamW moments"
     assert torch.equal(scores(fresh, IDS), scores(model, IDS)), "resume did not restore the adapters and head"
-    assert [g["lr"] for g in fresh_optimizer.param_groups] == [1e-3 * LR_SCALE, 1e-3]
+    assert [g["lr"] for g in fresh_optimizer.param_groups] == [1e-3 * DEFAULTS["lr_scale"], 1e-3]
 
 
 def test_a_checkpoint_of_other_trained_modules_says_what_to_do(base_dir, tmp_path):
     model, optimizer = trained_lora_model(base_dir, steps=1)
     meta = dict(position=8, stream_start=0, config={"data": "d", "lora_rank": RANK})
     save_checkpoint(model, optimizer, str(tmp_path), 1, meta)
-    with_head = lora_model(base_dir, "--lora-train", "lm_head")
+    with_head = lora_model(base_dir, "--lora-setting", "train=lm_head")
     with pytest.raises(SystemExit, match="other trained weights .*lm_head"):
-        start_point(with_head, torch.optim.AdamW(trainable(with_head)), str(tmp_path / "new"), False,
-                    str(tmp_path), False, "d")
+        start_point(with_head, torch.optim.AdamW(trainable(with_head)), str(tmp_path / "new"), str(tmp_path),
+                    False, "d")
 
 
 def test_offloading_a_lora_trainer_holds_the_base_and_the_adapters_moments_alone(base_dir):
@@ -259,16 +259,16 @@ def test_offloading_a_lora_trainer_holds_the_base_and_the_adapters_moments_alone
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     kept = rollouts()
     for round in range(2):
-        with trainer_offloaded(model, optimizer, torch.device("cpu")) as host:
+        with trainer_offloaded(model, optimizer) as host:
             held = sum(buffer.numel() for buffer in host)
         assert held == weights + moments + buffers, f"round {round}: {held} bytes held on the host"
         update(model, optimizer, kept, [1.0, -1.0] * 3)
 
 
-@pytest.mark.parametrize("train", [[], ["--lora-train", "lm_head"]], ids=["adapters", "adapters-and-head"])
+@pytest.mark.parametrize("train", [[], ["--lora-setting", "train=lm_head"]], ids=["adapters", "adapters-and-head"])
 def test_the_gpu_layout_a_bf16_base_and_fp32_adapters_shard_and_train_under_bf16_mixed_precision(train):
-    """What load_sharded_model builds on GPUs (lora.base_dtype), sharded as shard_model does there (bf16
-    compute, fp32 reduce), here on gloo: FSDP2 takes the mixed dtypes, the adapters (and --lora-train's
+    """What load_sharded_model builds on GPUs (engine.engine_dtype), sharded as shard_model does there (bf16
+    compute, fp32 reduce), here on gloo: FSDP2 takes the mixed dtypes, the adapters (and the train setting's
     head, cast to fp32) alone get fp32 gradients, AdamW steps, and the merge is the fp32 sum rounded once
     to the base's bf16."""
     from torch.distributed.device_mesh import init_device_mesh

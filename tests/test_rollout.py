@@ -381,7 +381,7 @@ def test_the_engine_starts_on_a_small_numa_node_with_the_kv_cache_it_was_asked_f
 
 
 def test_the_collapse_alarm_fires_at_the_step_tool_use_halves_and_not_before():
-    from report import collapse_alarms
+    from infra.training import collapse_alarms
     history = [{"tool_calls": 1.0, "turns": 2.0}, {"tool_calls": 1.2, "turns": 2.2}]   # means 1.1, 2.1
     assert collapse_alarms([], {"tool_calls": 0.0, "turns": 0.0}) == [], "no history: nothing to compare"
     assert collapse_alarms(history, {"tool_calls": 0.56, "turns": 1.06}) == [], "above half the mean"

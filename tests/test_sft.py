@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 import sft  # noqa: E402
 from conftest import torchrun  # noqa: E402
 from conversation import USER_PREFIX, render_messages, render_tool_call  # noqa: E402
-from infra.training import plan_micro_batches  # noqa: E402
+from infra.batch import plan_micro_batches  # noqa: E402
 
 
 def make_conversation(a, b, with_tool=True):
@@ -201,7 +201,7 @@ def test_script_trains_logs_and_saves_a_loadable_checkpoint(world, tmp_path):
 
 
 def test_lora_sft_trains_the_adapted_layers_alone_and_exports_a_plain_merged_model(world, tmp_path):
-    run_sft(world, tmp_path / "lora", "--epochs", "1", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj")
+    run_sft(world, tmp_path / "lora", "--epochs", "1", "--lora-rank", "4", "--lora-setting", "targets=q_proj,v_proj")
     trained, init = final_weights(tmp_path / "lora"), world["model"].state_dict()
     assert trained.keys() == init.keys(), "the export must be the base model's names, adapters merged"
     changed = {k for k in init if not torch.equal(trained[k], init[k])}

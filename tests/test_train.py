@@ -16,15 +16,18 @@ from conftest import torchrun
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 SMALL = ["--problems-per-step", "8", "--rollouts-per-problem", "4", "--group-size", "2",
-         "--max-response", "256", "--save-every", "1", "--sample-every", "1"]
+         "--max-response", "256", "--save-every", "1"]
 
 
 def train(out, model, data, *flags, nproc=1, stdout=None):
-    """Run train.py; its metrics rows (and, with stdout=[], its output is appended there)."""
+    """Run train.py; its metrics rows (and, with stdout=[], its output is appended there). On two ranks
+    torch checks that every rank calls the same collectives with the same shapes, and fails at once
+    where they differ (TORCH_DISTRIBUTED_DEBUG=DETAIL); a collective that waits a minute fails the run."""
     launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
     cmd = [*launcher, "train.py", "--preset", "toy", "--model", str(model), "--data", str(data),
-           "--out-dir", str(out), *SMALL, *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+           "--out-dir", str(out), *SMALL, "--timeout-minutes", "1", *flags]
+    env = dict(os.environ, TORCH_DISTRIBUTED_DEBUG="DETAIL") if nproc > 1 else None
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     if stdout is not None:
         stdout.append(proc.stdout)
@@ -45,8 +48,7 @@ def max_diff(a, b):
 def straight(tmp_path_factory, toy_sft_model, toy_world):
     """Two steps in one go with the deterministic lockstep driver (the reference for the others)."""
     out = tmp_path_factory.mktemp("straight")
-    rows = train(out, toy_sft_model, toy_world / "train.jsonl", "--steps", "2", "--driver", "lockstep",
-                 "--keep-checkpoints", "1")
+    rows = train(out, toy_sft_model, toy_world / "train.jsonl", "--steps", "2", "--driver", "lockstep")
     return out, rows
 
 
@@ -64,7 +66,7 @@ def test_two_steps_learn_and_the_engine_samples_with_the_new_weights(tmp_path, t
 
 def test_lora_the_engine_samples_the_merged_policy_and_final_is_a_plain_model(tmp_path, toy_sft_model,
                                                                               toy_world):
-    """The toy preset trains the head in full beside the adapters (--lora-train lm_head): the sync, the
+    """The toy preset trains the head in full beside the adapters (--lora-setting train=lm_head): the sync, the
     export and the checkpoint carry it too."""
     rows = train(tmp_path, toy_sft_model, toy_world / "train.jsonl", "--steps", "2", "--lora-rank", "8")
     # Step 2 was sampled after the first sync of the merged weights W + (alpha/r) B A: the trainer's policy.
@@ -85,7 +87,7 @@ def test_lora_the_engine_samples_the_merged_policy_and_final_is_a_plain_model(tm
 def test_resume_continues_exactly_and_logs_each_step_once(tmp_path, straight, toy_sft_model, toy_world):
     data = toy_world / "train.jsonl"
     straight_out, straight_rows = straight
-    assert os.listdir(straight_out / "checkpoints") == ["step_2"], "--keep-checkpoints 1 keeps the newest only"
+    assert sorted(os.listdir(straight_out / "checkpoints")) == ["step_1", "step_2"], "the newest three are kept"
     assert all((r["ratio_mean"], r["clip_frac_low"], r["clip_frac_high"], r["optimizer_steps"]) == (1.0, 0, 0, 1)
                for r in straight_rows), "one optimizer step per RL step: the ratio is 1 and nothing is clipped"
     train(tmp_path, toy_sft_model, data, "--steps", "1", "--driver", "lockstep")
@@ -96,7 +98,7 @@ def test_resume_continues_exactly_and_logs_each_step_once(tmp_path, straight, to
     no_meta.mkdir()
     with open(tmp_path / "metrics.jsonl", "a") as f:  # a step logged, then lost with the crash
         f.write(json.dumps({"step": 2, "lost": True}) + "\n")
-    rows = train(tmp_path, toy_sft_model, data, "--steps", "2", "--driver", "lockstep", "--resume", "1")
+    rows = train(tmp_path, toy_sft_model, data, "--steps", "2", "--driver", "lockstep")  # (it goes on)
     assert [r["step"] for r in rows] == [1, 2], "each step must be logged once: rows after the checkpoint go"
     assert "lost" not in rows[1] and rows[1]["accuracy"] == straight_rows[1]["accuracy"], \
         "step 2 rolled out differently after resume"
@@ -153,18 +155,47 @@ def test_the_three_stage_recipe_hands_over_model_optimizer_data_and_the_hard_pro
     assert [len(one), len(two), len(three)] == [2, 1, 1]
 
 
-def test_several_optimizer_steps_clip_and_two_ranks_train_like_one(tmp_path, toy_sft_model, toy_world):
-    flags = ["--steps", "1", "--driver", "lockstep", "--mini-batches", "2", "--lr", "2e-3"]
-    one = train(tmp_path / "one", toy_sft_model, toy_world / "train.jsonl", *flags)
-    two = train(tmp_path / "two", toy_sft_model, toy_world / "train.jsonl", *flags, nproc=2)
-    assert one[0]["optimizer_steps"] == 2 and one[0]["clip_frac_low"] + one[0]["clip_frac_high"] > 0, \
+# Every option a GPU run combines, two ranks against one. Micro-batches of 64 tokens hold a rollout or
+# two, so the ranks hold different numbers of them and one runs passes of padding while the other
+# trains; two optimizer steps move the policy, so the clip acts and the KL penalty is not zero.
+TWO_RANKS = {
+    "kl to a frozen copy, tis, dynamic sampling": ["--kl-coef", "0.1", "--mismatch-correction", "tis",
+                                                   "--dynamic-sampling", "2"],
+    "lora and the head, kl to a frozen copy": ["--lora-rank", "8", "--kl-coef", "0.1"],  # (toy: train=lm_head)
+    "lora alone, kl to the adapters off": ["--lora-rank", "8", "--lora-setting", "train=", "--kl-coef",
+                                           "0.1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TWO_RANKS))
+def test_two_ranks_with_passes_of_padding_train_like_one(name, tmp_path, toy_sft_model, toy_world):
+    flags = ["--steps", "1", "--driver", "lockstep", "--mini-batches", "2", "--lr", "2e-3",
+             "--micro-batch-tokens", "64", *TWO_RANKS[name]]
+    one = train(tmp_path / "one", toy_sft_model, toy_world / "train.jsonl", *flags)[0]
+    two = train(tmp_path / "two", toy_sft_model, toy_world / "train.jsonl", *flags, nproc=2)[0]
+    assert two["padding_passes"] > 0 and one["padding_passes"] == 0, "a rank must run a pass of padding"
+    assert one["optimizer_steps"] == 2 and one["clip_frac_low"] + one["clip_frac_high"] > 0, \
         "from the second optimizer step the policy has moved: the clip must act at this learning rate"
-    assert [r["accuracy"] for r in one] == [r["accuracy"] for r in two], \
-        "seeded rollouts must not depend on which rank samples them"
-    for key in ("loss", "clip_frac_low", "clip_frac_high", "approx_kl"):  # global denominators
-        assert two[0][key] == pytest.approx(one[0][key], rel=1e-3, abs=1e-6), f"{key} differs on two ranks"
+    assert one["kl_ref"] > 0, "the policy moved from the reference at the first optimizer step"
+    assert one["accuracy"] == two["accuracy"], "seeded rollouts must not depend on which rank samples them"
+    for key in ("loss", "kl_ref", "clip_frac_low", "clip_frac_high", "approx_kl", "masked_frac"):
+        assert two[key] == pytest.approx(one[key], rel=1e-3, abs=1e-6), f"{key} differs on two ranks"
     diff = max_diff(weights(tmp_path / "two" / "final"), weights(tmp_path / "one" / "final"))
     assert diff < 1e-4, f"2-rank FSDP2 training ends {diff:.2e} away from 1 rank on the same batch"
+
+
+def test_a_dynamic_sampling_step_with_no_mixed_group_trains_nothing_and_says_why(tmp_path, toy_sft_model,
+                                                                               toy_world):
+    """Every gold answer wrong: no group is mixed after every draw, and the step goes on to the next."""
+    lines = [json.loads(line) for line in (toy_world / "train.jsonl").read_text().splitlines()[:16]]
+    data = tmp_path / "wrong.jsonl"
+    data.write_text("".join(json.dumps(dict(p, answer=str(int(p["answer"]) + 1))) + "\n" for p in lines))
+    printed = []
+    rows = train(tmp_path / "out", toy_sft_model, data, "--steps", "2", "--driver", "lockstep",
+                 "--dynamic-sampling", "2", stdout=printed)
+    assert [(r["mixed_groups"], r["drawn_problems"], r["kept"]) for r in rows] == [(0, 16, 0)] * 2
+    assert printed[0].count("nothing to train") == 2 and rows[0]["dropped_group_share"] == 0
+    assert max_diff(weights(tmp_path / "out" / "final"), weights(toy_sft_model)) == 0, "nothing trained"
 
 
 def test_uniform_at_temperature_0_7_with_a_kl_penalty_drops_long_prompts_and_checkpoints_the_last_step(

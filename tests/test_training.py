@@ -211,11 +211,50 @@ def test_only_rank_0_holds_the_full_model_and_both_ranks_end_with_its_weights(tm
     assert ranks[1]["grew_mb"] < 0.8 * model_mb, \
         f"rank 1's peak RSS grew by {ranks[1]['grew_mb']:.0f} MB for a {model_mb:.0f} MB model: a full copy"
     assert all(r["max_diff"] == 0.0 for r in ranks), "the sharded weights must equal the checkpoint's exactly"
-    assert all(r["timeouts_minutes"] == [240.0, 240.0] for r in ranks), \
-        "the default group and the group for objects must both wait as long as RL needs"
+    assert all(r["timeouts_minutes"] == [30.0, 240.0] for r in ranks), \
+        "the training's collectives fail the job in half an hour, the waits for rollouts in four hours"
     assert [r["shared"] for r in ranks] == ["ok", "ok"], "one folder seen by both ranks is shared"
     assert all("ranks [1] do not see" in r["not_shared"] and "HINT" in r["not_shared"] for r in ranks), \
         "when the ranks' folders differ (as on nodes without a shared filesystem) every rank must stop, saying so"
+
+
+@pytest.mark.slow
+def test_a_hung_collective_fails_in_the_timeout_while_a_straggler_is_waited_for(tmp_path):
+    """init_distributed(timeout_minutes) bounds the training's collectives (NCCL's on GPUs, gloo's here),
+    not the gloo group's waits for other ranks' rollouts: with 3 seconds, rank 1 joins a barrier on the
+    waits group 6 seconds late and is waited for, then skips an all-reduce, which fails on rank 0."""
+    cmd = [*torchrun(2), __file__, str(tmp_path), "timeouts"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=300)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["straggler"] == "waited", "the waits group must outwait the training's timeout"
+    assert result["hung"].startswith("failed") and result["seconds"] < 30, \
+        f"a collective one rank skips must fail in its timeout: {result}\n{proc.stderr[-2000:]}"
+
+
+def _timeouts_rank_main(folder: str):
+    """One rank of the test above (run by torchrun)."""
+    import time
+    from infra.training import cpu_group, init_distributed
+    rank = init_distributed(timeout_minutes=0.05)[0]
+    result = {}
+    if rank == 1:
+        time.sleep(6)
+    torch.distributed.barrier(group=cpu_group())
+    result["straggler"] = "waited"
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            torch.distributed.all_reduce(torch.ones(1))
+            result["hung"] = "returned"
+        except RuntimeError as e:
+            result["hung"] = f"failed: {e}"[:300]
+        result["seconds"] = time.monotonic() - start
+        with open(f"{folder}/rank0.json", "w") as f:
+            json.dump(result, f)
+    else:
+        time.sleep(10)  # (alive and silent while rank 0 waits)
+    os._exit(0)  # (the group is broken: no teardown to wait for)
 
 
 @pytest.mark.slow
@@ -277,6 +316,8 @@ def _rank_main(folder: str):
 if __name__ == "__main__":
     if sys.argv[2:] == ["sandbox"]:
         _sandbox_rank_main()
+    elif sys.argv[2:] == ["timeouts"]:
+        _timeouts_rank_main(sys.argv[1])
     else:
         _rank_main(sys.argv[1])
 
@@ -448,7 +489,7 @@ def test_offloading_the_trainer_around_each_rollout_trains_bit_for_bit_the_same(
         params = list(model.parameters())
         torch.manual_seed(0)
         for _ in range(3):
-            with trainer_offloaded(model, optimizer, torch.device("cpu"), offload):
+            with trainer_offloaded(model, optimizer, offload):
                 # (the rollout runs here)
                 moved = [p.to_local().untyped_storage().nbytes() for p in model.parameters()]
             trained_steps(model, optimizer, 1)
@@ -476,7 +517,7 @@ def test_the_host_buffers_are_allocated_once_at_the_exact_size_and_reused_every_
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     rounds = []
     for _ in range(3):
-        with trainer_offloaded(model, optimizer, torch.device("cpu")) as host:
+        with trainer_offloaded(model, optimizer) as host:
             rounds.append(sorted(buffer.data_ptr() for buffer in host))
             held = sum(buffer.numel() for buffer in host)
         trained_steps(model, optimizer, 1)
@@ -500,7 +541,7 @@ def test_a_frozen_reference_model_goes_to_the_host_with_the_trainer_and_comes_ba
     trainer_buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     frozen_bytes = sum(t.numel() * t.element_size() for t in [*reference.parameters(), *reference.buffers()])
     for _ in range(2):
-        with trainer_offloaded(model, optimizer, torch.device("cpu"), frozen=[reference]) as host:
+        with trainer_offloaded(model, optimizer, frozen=[reference]) as host:
             held = sum(buffer.numel() for buffer in host)
             moved = [p.untyped_storage().nbytes() for p in reference.parameters()]
         trained_steps(model, optimizer, 1)
@@ -527,7 +568,7 @@ def test_expandable_segments_are_on_for_training_and_off_while_the_engine_is_awa
         settings = torch._C._accelerator_getAllocatorSettings
         for offload in (False, True):
             assert settings() == "max_split_size_mb:512,expandable_segments:True"
-            with trainer_offloaded(model, optimizer, torch.device("cpu"), offload):
+            with trainer_offloaded(model, optimizer, offload):
                 assert settings() == "max_split_size_mb:512,expandable_segments:False", \
                     "expandable segments on while the engine wakes"
         assert torch._C._accelerator_getAllocatorSettings().endswith("expandable_segments:True"), \

@@ -13,10 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
-from infra.batch import ProblemQueue
 from grpo_roc import EPS_HIGH, EPS_LOW, mismatch_correction, policy_loss
-from infra.logprobs import token_logprobs
 from rollout import TOKENS, Trajectory
 from infra.update import METRICS, SUMMED, Policy, mini_batches, old_logprobs, step_metrics
 
@@ -39,8 +38,8 @@ def tiny_model(seed=0):
 
 
 # train.py's defaults, but no gradient clipping and every row of these tests in one micro-batch
-DEFAULTS = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, mismatch_correction="none",
-                mismatch_threshold=2.0, kl_coef=0.0, mini_batches=1, grad_clip=1e9, micro_batch_tokens=4096)
+DEFAULTS = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, mismatch_correction="none", kl_coef=0.0,
+                mini_batches=1, grad_clip=1e9, micro_batch_tokens=4096)
 
 
 def rollouts(n=6, seed=0):
@@ -60,25 +59,29 @@ def rollouts(n=6, seed=0):
 
 
 def update(model, optimizer, kept, advantages, probes=(), reference=None, **changes):
-    """train.py's policy update on one process, its flags `args` (DEFAULTS and `changes`): the metrics."""
+    """train.py's policy update on this process's ranks (one, or torchrun's), its flags `args` (DEFAULTS
+    and `changes`): the metrics."""
     args, device = SimpleNamespace(**dict(DEFAULTS, **changes)), torch.device("cpu")
-    policy = Policy(model, 0, device, args.temperature, args.micro_batch_tokens, probes=list(probes),
-                    reference=reference)
-    parts = mini_batches(policy, kept, advantages, ProblemQueue(), args.mini_batches)
+    world_size = dist.get_world_size()
+    mismatch_mode, _, k = args.mismatch_correction.partition(":")
+    mismatch_threshold = float(k or 2.0)
+    policy = Policy(model, 0, device, args.temperature, args.micro_batch_tokens, dist.get_rank(), world_size,
+                    probes=list(probes), reference=reference)
+    parts = mini_batches(policy, kept, advantages, args.mini_batches)
     for part in parts:
         for micro in part:
-            logp, entropy = token_logprobs(model, micro.input_ids, micro.attention_mask, args.temperature,
-                                           prefix=micro.prefix, recompute=False, packed=True, entropy=True)
+            logp, entropy = micro.logprobs()
             old_logp = logp.detach() if micro.old_logp is None else micro.old_logp
             weights, loss_mask, mismatch = mismatch_correction(old_logp, micro.sampler_logp, micro.loss_mask,
-                                                            part.n_loss_tokens, args.mismatch_correction,
-                                                            args.mismatch_threshold)
+                                                            part.n_loss_tokens, mismatch_mode,
+                                                            mismatch_threshold)
             loss, metrics = policy_loss(logp, old_logp, micro.advantages, loss_mask, part.n_loss_tokens,
                                         args.eps_low, args.eps_high, token_weights=weights,
                                         ref_logp=micro.reference_logprobs(), kl_coef=args.kl_coef,
-                                        entropy=entropy, n_rollouts=part.n_rollouts)
-            micro.backward(loss)
+                                        entropy=entropy)
+            (loss * world_size).backward()
             part.record(logp, micro, dict(metrics, **mismatch, loss=loss.item()))
+        part.finish()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if kept:
             optimizer.step()
