@@ -90,15 +90,17 @@ def print_table(columns: dict, n: int, benchmark_file: str | None = None, proble
     """The table, a column per evaluation that exists, then each one's gain over the first; with the
     benchmark's file (its problems' "steps"), a row per number of operations too. `problems` names what
     was evaluated: held-out problems, or training problems where levers are chosen."""
-    tables = {}
+    tables, temperatures = {}, {}
     for name, folder in columns.items():
         if os.path.exists(os.path.join(folder, "table.json")):
             with open(os.path.join(folder, "table.json")) as f:
-                tables[name] = json.load(f)["table"][0]
+                written = json.load(f)
+            tables[name], temperatures[name] = written["table"][0], written["config"]["temperature"]
     if not tables:
         return
     first = next(iter(tables))
-    print(f"\n{problems} problems: {tables[first]['problems']} x {n} samples, temperature 0.6\n")
+    sampled = ", ".join(f"temperature {t}" for t in sorted(set(temperatures.values())))  # (each evaluation's)
+    print(f"\n{problems} problems: {tables[first]['problems']} x {n} samples, {sampled}\n")
     print(f"{'':32}" + "".join(f" {name:>13}" for name in tables))  # (a long name stays apart)
     print(f"{'problems':32}" + "".join(f"{t['problems']:14d}" for t in tables.values()))
     for label, key, scale in ROWS:

@@ -4,17 +4,17 @@ Every GPU runs one FSDP2 trainer rank and one vLLM engine (infra/engine.py, infr
 The plan adds up, phase by phase, what each holds; P is the parameter count, N the number of GPUs, T the
 tokens of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
 
-- Resume (--resume, --init-from): the checkpoint loads before the engine takes its share (or with
-  it asleep). torch's get_optimizer_state_dict first materialises the optimizer state with zero
+1. Resume (a run's own checkpoint, --init-from): the checkpoint loads before the engine takes its share
+  (or with it asleep). torch's get_optimizer_state_dict first materialises the optimizer state with zero
   gradients and one AdamW step (torch/distributed/checkpoint/state_dict.py _init_optim_state): fp32
   weights, gradients and two moments, 16P/N (fused AdamW: no temporary). At start-up rank 0 moves each
   full module to its GPU as FSDP2 shards it (training.load_sharded_model).
-- Rollout: the engine awake inside its share of the GPU (vLLM's gpu_memory_utilization): bf16
+2. Rollout: the engine awake inside its share of the GPU (vLLM's gpu_memory_utilization): bf16
   weights (2P), CUDA graphs, its persistent buffers, the profile's transient peak (a forward of
   max_num_batched_tokens, a sampler pass of max_num_seqs x V in fp32) and the KV cache, which is
   what the share leaves. Beside it the trainer's fp32 weights and AdamW moments (12P/N), unless
   they are offloaded to pinned host memory (Offload, below), which leaves the engine 12P/N more.
-- Training (forward and backward, engine asleep: its CUDA graphs and the buffers outside the sleep
+3. Training (forward and backward, engine asleep: its CUDA graphs and the buffers outside the sleep
   pools stay on the GPU, as vLLM keeps graphs in its sleep pool only with sleep_mode_offload_cudagraph,
   off by default: config/model.py, config/vllm.py use_cumem_cudagraph_pool):
   weights, gradients, moments (16P/N); the root (embeddings, head) gathered in bf16 through forward
@@ -25,29 +25,29 @@ tokens of the longest micro-batch, V the vocabulary, h the hidden size. Bytes pe
   b. a decoder layer: its activations recomputed and their gradients, its bf16 gradients and their
      fp32 copy for the reduce-scatter (FSDP2 reduces in fp32);
   c. the root's reduce at the end: its bf16 gradients and their fp32 copy.
-- Optimizer step: weights, gradients, moments: 16P/N (fused AdamW: no temporary).
+4. Optimizer step: weights, gradients, moments: 16P/N (fused AdamW: no temporary).
   Training and the optimizer step also count the caching allocator's reserve beyond the tensors it
   holds: the trainer allocates in expandable segments (training.expandable_segments), a fraction
   then (RESERVED_OVER_ALLOCATED).
-- Weight sync (engine.sync_weights): the engine's weights woken, not its KV cache, beside the
+5. Weight sync (engine.sync_weights): the engine's weights woken, not its KV cache, beside the
   trainer's 12P/N; vLLM's layerwise reload keeps each incoming bf16 tensor of a module until the
   module is complete, then builds the module on the GPU and copies it into the woken weights; the
   trainer casts each shard to bf16 before gathering it: 2 x module + 2 x module + 2 x its last
   tensor (the gather's buffer), largest for the embeddings or the head (6 bytes x V x h).
 Every phase also pays the CUDA context and NCCL's buffers, and keeps a margin free.
-- Offload (offload_trainer): the trainer's fp32 shards and moments (12P/N) go to pinned host memory
+6. Offload (offload_trainer): the trainer's fp32 shards and moments (12P/N) go to pinned host memory
   after the sync (and checkpoint, export) and come back after the engine sleeps: 24P/N bytes per
   step per GPU over PCIe. "auto" offloads when that at least doubles the rollouts the engine holds
   at their longest, or when nothing fits without it. The engine must start after the offload: vLLM
   asks for its share of the GPU free at start-up.
-- Host memory of the busiest node (node 0): the sleeping engines' pinned backups (level 2: only the
+7. Host memory of the busiest node (node 0): the sleeping engines' pinned backups (level 2: only the
   runtime pool; level 1 also every weight allocation, each rounded up to a power of two by torch's
   pinned allocator, which keeps the blocks once freed: pinned_bytes), the offloaded trainer state, the
   trajectories (each rank's own rollouts, lists until they are scored, and every trajectory's numbers:
   batch.ProblemQueue), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
   workers, each rank's process. (Rank 0 reads the model, 4P, at start-up, before any of these; a
   sandbox call may use up to its memory cap, 1 GiB, while it runs: not counted.)
-- Reference (reference=True: a frozen copy for a KL penalty; run_settings follows
+8. Reference (reference=True: a frozen copy for a KL penalty; run_settings follows
   training.load_reference's rule): its bf16 weights sharded (2P/N) in every phase, offloaded with the
   trainer; in training also its root gathered in bf16, which FSDP2 keeps until update.MiniBatch.finish.
   A pass without gradients keeps only the final hidden states (logprobs.final_hidden).

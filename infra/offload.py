@@ -1,11 +1,11 @@
 """The trainer's state in host memory while the engine rolls out, and back on the GPU for training.
 
 With train.py --offload-trainer, which the memory plan turns on where it gives the engine the room it
-needs (infra/memory_plan.py, 6), the rollout runs with these in host memory: the trainer's fp32 shards, its
-buffers, AdamW's moments, and the parameters and buffers of frozen modules such as a reference model
-for a KL penalty. Each tensor's storage is copied into a host buffer and freed on the device, then
-reallocated and copied back, so every tensor, view and DTensor keeps its identity: FSDP2's shards and the
-optimizer's keys stay valid.
+needs (infra/memory_plan.py's docstring, 6), the rollout runs with these in host memory: the trainer's
+fp32 shards, its buffers, AdamW's moments, and the parameters and buffers of frozen modules such as a
+reference model for a KL penalty. Each tensor's storage is copied into a host buffer and freed on the
+device, then reallocated and copied back, so every tensor, view and DTensor keeps its identity:
+FSDP2's shards and the optimizer's keys stay valid.
 
 Host buffers are allocated once, at their exact size, pinned once and reused every round: at 1.7B the
 first offload into fresh pinned pages took 10 to 40 times the later ones (docs/gpu.md); a buffer

@@ -53,7 +53,8 @@ def test_a_paired_gain_over_some_problems_pairs_those_alone(tmp_path, capsys):
     assert paired_gain(four, first_three, only={1, 2, 3}) == (0.25, pytest.approx(0.25), 2), \
         "problems 1 and 2: those of the subset that both evaluated"
     for folder in (base, after):
-        (tmp_path / folder / "table.json").write_text(json.dumps({"table": [{"problems": 3}]}))
+        table = {"config": {"temperature": 0.7}, "table": [{"problems": 3}]}
+        (tmp_path / folder / "table.json").write_text(json.dumps(table))
     benchmark = tmp_path / "test.jsonl"
     benchmark.write_text("".join(json.dumps({"question": "q", "answer": "1", "steps": s}) + "\n"
                                  for s in (2, 3, 1)))
@@ -61,7 +62,8 @@ def test_a_paired_gain_over_some_problems_pairs_those_alone(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "RL: two or more operations +75.0 points over the SFT model (paired standard error 25.0 over 2" \
         in printed, printed
-    assert printed.startswith("\nheld-out problems: 3 x 2 samples") and "RL: held-out accuracy +16.7" in printed
+    assert printed.startswith("\nheld-out problems: 3 x 2 samples, temperature 0.7\n"), "the evaluations' own"
+    assert "RL: held-out accuracy +16.7" in printed
     print_table({"SFT": base, "RL": after}, 2, str(benchmark), problems="training")  # (bench/words_levers.py)
     printed = capsys.readouterr().out
     assert printed.startswith("\ntraining problems: 3 x 2") and "RL: training accuracy +16.7" in printed, \
