@@ -2,37 +2,52 @@
 
 Each slot has two workers, each started from a clean interpreter: "light" (the modules math code uses most)
 and "full" (also numpy, sympy, math-verify, warmed up). A call runs in a fresh child forked from "full" if
-its code names a module only "full" has, else from "light" (less memory: faster forks).
+its code names a module only "full" has, else from "light" (less memory: faster forks). The child reads its
+request; its output goes to the caller kernel to kernel. So no worker holds a call's code, input or output.
 
 Guaranteed (each has an adversarial test in tests/test_sandbox.py):
-  - Nothing the code does raises in the caller; its ExecResult's status says ok, error, timeout or oom.
+  - Nothing the code does raises in the caller; its ExecResult's status says ok, error (see exit_code),
+    timeout or oom: an uncaught MemoryError or the kernel's OOM killer, never an exit code.
   - At `timeout` seconds (wall clock) every process of the call is killed, setsid grandchildren included.
-  - Address space is capped at `memory_mb` above the worker's own; MemoryError -> "oom".
+  - Each process's address space is capped at `memory_mb` above the worker's.
   - stdout keeps its first `max_output` characters, stderr its last (`truncated` if cut); no file > 16 MB.
-  - Each call is a new process in a new empty directory (removed after it) with new random seeds:
-    nothing set in one call (files, SysV IPC objects, globals) is visible in the next.
-  - The caller's environment variables (tokens, keys) are not visible.
+  - Each call is a new process in a new empty directory (removed after it) with new random seeds: nothing
+    of one call (files, SysV IPC objects, globals, output) reaches the next; nor the caller's environment.
   - A call whose worker died, hung (silent past timeout + GRACE s), could not start or was closed returns
     SANDBOX_FAILURE; the worker is replaced. Start-up waits while workers use CPU, else raises.
-As root, where the kernel allows namespaces (`Sandbox.isolation` says what held), also:
-  - Calls run as an unprivileged uid (one per slot; never 0 nor the caller's), no_new_privs, at most 64
-    processes: fork bombs stop, and a call cannot signal its worker, the trainer or the tests.
-  - No network: no interface is up in the workers' network namespace.
-  - All mounts are read-only but a fresh tmpfs: a call writes only in its own directory, <= 10,000 files.
-Not guaranteed: these without root or namespaces (there a call that kills or stops its worker, or leaves
-too many files to remove in GRACE, gets SANDBOX_FAILURE). A call can read world-readable files, list /proc,
-burn CPU to its timeout; its uid's keyrings and POSIX queues outlive it; it imports only its worker's modules.
+Where the kernel allows (infra/isolation.py; `Sandbox.isolation`: what held, `Sandbox.missing`: why not):
+  - landlock: a call opens only the interpreter, the standard library, installed packages, loaded shared
+    libraries (read-only), /proc, a few devices and its directory: no project, dataset or run output file,
+    whatever its permissions; no TCP; it signals only its own processes.
+  - seccomp: no user namespace, io_uring, key ring or POSIX message queue; no socket but IPv4 and IPv6.
+  And as root:
+  - user: calls run as an unprivileged uid (one per slot; never 0 nor the caller's), no_new_privs, at most
+    64 processes: fork bombs stop, and a call cannot signal its worker, the trainer or the tests.
+  - pid: each worker is process 1 of a PID namespace of its own: a call sees no process but its own.
+  - network: no interface is up in the workers' network namespace.
+  - filesystem: all mounts read-only but a fresh tmpfs: a call writes only in its directory, <= 10,000 files.
+  - memory: a call's processes, memfd, tmpfs and SysV pages stay under `memory_mb` together.
+Not guaranteed: what did not hold (without root, a call that kills or stops its worker, or leaves too many
+files to remove in GRACE, gets SANDBOX_FAILURE; without the cgroup, memory is capped per process). A call
+burns CPU to its timeout, can stat (not open) any path, and two calls that cooperate can still signal
+through timing or process ids. It imports only what its worker imported and files its uid may read.
 """
 import ast, builtins, collections, contextlib, ctypes, itertools, linecache, marshal, os, random, re
 import resource, select, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, types
 from concurrent.futures import ThreadPoolExecutor
 
+if __name__ == "__main__":  # a worker: `python -I` left the project's folder off sys.path (see _worker)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from infra import isolation  # noqa: E402
+
+TOOL_TIMEOUT = 5.0  # seconds a tool call may run: Sandbox's default, and the tool's in train.py and eval.py
 SANDBOX_FAILURE = "sandbox_failure"  # a call's status when the sandbox failed, not the code: see above
-OOM_EXIT = 101  # the child's exit code for MemoryError
 GRACE = 10.0  # seconds past a call's timeout for its worker to clean up and reply: then it is hung
 STALLED = 60.0  # a starting worker that uses no CPU for this long (seconds) is stuck: see _ask
 LIBC = ctypes.PyDLL(None, use_errno=True)  # PyDLL: calls keep the GIL (see the fork in _call)
-ExecResult = collections.namedtuple("ExecResult", ["status", "stdout", "stderr", "seconds", "truncated"])
+# exit_code: the call's (-N: killed by signal N; None: it timed out, or the sandbox failed)
+ExecResult = collections.namedtuple("ExecResult", "status stdout stderr seconds truncated exit_code",
+                                    defaults=[None])
 _slots = itertools.count()  # slot numbers, unique within this process
 # An answer check runs confined, like the model's code; \boxed{} makes "3/4", "\frac{3}{4}", "0.75" parse.
 VERIFY = """from math_verify import parse, verify
@@ -54,8 +69,8 @@ def default_workers(cores, ranks, cgroup="/sys/fs/cgroup"):
 
 
 class Sandbox(contextlib.AbstractContextManager):  # (its __enter__ returns the sandbox)
-    def __init__(self, workers=None, timeout=5.0, memory_mb=1024, max_output=1000):
-        self.timeout = timeout
+    def __init__(self, workers=None, timeout=TOOL_TIMEOUT, memory_mb=1024, max_output=1000):
+        self.timeout, self.max_output = timeout, max_output
         self._config = dict(timeout=timeout, memory_mb=memory_mb, max_output=max_output)  # (+ kind, uid)
         self._procs = {}  # (uid, kind) -> its worker
         self._modules = {}  # kind -> its workers' modules: code naming one only "full" has runs there
@@ -76,6 +91,9 @@ class Sandbox(contextlib.AbstractContextManager):  # (its __enter__ returns the 
                                "what an error names; if they were stuck, start fewer: Sandbox(workers=N)")
         heavy = self._modules["full"] - self._modules["light"] | {"__import__", "importlib", "exec", "eval"}
         self._heavy = re.compile(r"\b(?:%s)\b" % "|".join(sorted(heavy)))
+        if self.missing:  # what the workers could not set up, and why (see the module's docstring)
+            print("sandbox: running without " + "; ".join(f"{k} ({why})" for k, why in self.missing.items()),
+                  "---> HINT: docs/sandbox.md says what each guarantees and needs", sep="\n", file=sys.stderr)
 
     def submit(self, code, stdin=""):
         """Run `code` with `stdin` as its standard input: a Future[ExecResult]. Thread-safe."""
@@ -102,7 +120,16 @@ class Sandbox(contextlib.AbstractContextManager):  # (its __enter__ returns the 
         reply = _ask(proc, (code, stdin), self.timeout + GRACE) if proc else None
         if proc and reply is None:
             _stop(proc, wait=0)  # it died or hung
-        return ExecResult(**reply) if reply else ExecResult(SANDBOX_FAILURE, "", "sandbox failed", 0.0, False)
+        if reply is None:
+            return ExecResult(SANDBOX_FAILURE, "", "sandbox failed", 0.0, False)
+        stdout, stderr = (b.decode("utf-8", "replace") for b in reply["output"])
+        cut = reply["sizes"] != reply["kept"] or max(len(stdout), len(stderr)) > self.max_output
+        stdout, stderr = stdout[:self.max_output], stderr[-self.max_output:]
+        code = reply["code"]  # (None: it ran to the timeout)
+        last = stderr.rstrip().rsplit("\n", 1)[-1]  # an uncaught MemoryError's traceback ends with its name
+        memory = reply["oom"] or code == 1 and re.match(r"[\w.]*MemoryError\b", last)  # (numpy's one too)
+        status = "timeout" if code is None else "oom" if memory else "ok" if code == 0 else "error"
+        return ExecResult(status, stdout, stderr, reply["seconds"], cut, code)
 
     def _spawn(self, uid, kind):
         """Start the slot's worker of this kind; None if it failed (its error is on our stderr) or closed."""
@@ -116,7 +143,8 @@ class Sandbox(contextlib.AbstractContextManager):  # (its __enter__ returns the 
         ready = None if self._closed else _ask(proc, dict(self._config, kind=kind, uid=uid), None)
         if ready is None:
             return _stop(proc, wait=0)
-        self.isolation = ready["isolation"]  # {"user", "network", "filesystem"} -> bool, as the workers found
+        self.isolation = ready["held"]  # {"landlock", "seccomp", "user", "pid", ...} -> bool: what held
+        self.missing = ready["missing"]  # what did not, and why
         self._modules[kind] = {m.split(".")[0] for m in ready["modules"]}
         return proc
 
@@ -137,13 +165,20 @@ def _ask(proc, request, timeout):
     try:
         proc.stdin.write(marshal.dumps(request))  # (a buffered file: close() in another thread waits)
         proc.stdin.flush()
-        seen = None  # the worker's user and system CPU time at the last look
+        seen = None  # the CPU time of the worker and its children (as root, it runs in its child)
         while not select.select([proc.stdout], [], [], timeout or STALLED)[0]:
-            cpu = None if timeout else open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[11:13]
-            if cpu is None or cpu == seen:
+            family = f"/proc/{proc.pid}/task/{proc.pid}/children"
+            pids = [] if timeout else [proc.pid, *open(family).read().split()]
+            cpu = [open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[11:13] for pid in pids]
+            if not cpu or cpu == seen:
                 return None
             seen = cpu
-        return marshal.load(proc.stdout)  # a reply comes whole, or not at all
+        reply = marshal.load(proc.stdout)  # a reply comes whole, or not at all
+        if "kept" in reply:  # a call's: then the bytes it kept of stdout and of stderr
+            reply["output"] = [proc.stdout.read(n) for n in reply["kept"]]
+            if [len(b) for b in reply["output"]] != list(reply["kept"]):
+                return None  # (the worker died in the middle of it)
+        return reply
     except (OSError, ValueError, EOFError):
         return None
 
@@ -173,51 +208,10 @@ WARM = ["from sympy import *\nfrom math_verify import parse, verify\nx = Symbol(
         "solve(x**2 - 1), factorint(360), simplify(sin(x)**2 + cos(x)**2), integrate(x * exp(x), x)\n"
         "limit(sin(x) / x, x, 0), series(cos(x), x, 0, 4)\n"
         "ok = verify(parse('\\\\boxed{\\\\frac{1}{2}}'), parse('\\\\boxed{0.5}'))", "x = [1]\nx[0] / 0"]
-PR_SET_PDEATHSIG = 1  # prctl (linux/prctl.h): a signal for the process when its parent dies
-PR_SET_CHILD_SUBREAPER = 36  # prctl: orphaned descendants are reparented to this process
-PR_SET_NO_NEW_PRIVS = 38  # prctl: no exec can raise privileges (set-uid programs)
-CLONE_NEWNS = 0x20000  # unshare (linux/sched.h): a new mount namespace
-CLONE_NEWIPC = 0x8000000  # unshare: a new SysV IPC namespace
-CLONE_NEWNET = 0x40000000  # unshare: a new network namespace
-MS_PRIVATE = 0x40000  # mount_setattr's propagation (sys/mount.h): none to or from other namespaces
-SYS_MOUNT_SETATTR = ctypes.c_long(442)  # (asm/unistd_64.h) aarch64's too: syscalls since 5.1 share numbers
-AT_FDCWD = -100  # mount_setattr (linux/fcntl.h): paths from the working directory
-AT_RECURSIVE = 0x8000  # mount_setattr: the whole subtree
-MOUNT_ATTR_RDONLY = 1  # mount_setattr (linux/mount.h): read-only
-IPC = [f"/proc/sysvipc/{k}" for k in ("shm", "sem", "msg")]
-
-
-def _kill_leftovers(cfg, force=False):
-    """Kill and reap what calls left running: as root, all of the calls' uid; else the worker's children."""
-    while force or os.pread(cfg.children, 1, 0):  # the worker has children, zombies included
-        if not force and os.waitpid(-1, os.WNOHANG)[0]:
-            continue  # (reaped one)
-        if cfg.uid is None:
-            for pid in os.pread(cfg.children, 1 << 16, 0).split():
-                with contextlib.suppress(OSError):
-                    os.kill(int(pid), signal.SIGKILL)
-        elif os.fork() == 0:
-            with contextlib.suppress(BaseException):  # (if setuid fails, nothing is killed)
-                os.setgid(cfg.uid)
-                os.setuid(cfg.uid)
-                os.kill(-1, signal.SIGKILL)
-            os._exit(0)
-        force = False
-        time.sleep(0.005)
-
-
-def _read(fd, limit, tail):
-    """The first (or last) `limit` characters of a captured stream, and whether it was cut."""
-    size = os.fstat(fd).st_size
-    n = 4 * limit + 4  # enough bytes for `limit` characters of UTF-8
-    text = os.pread(fd, n, max(0, size - n) if tail else 0).decode("utf-8", "replace")
-    return (text[-limit:] if tail else text[:limit]), size > n or len(text) > limit
-
-
-def _call(source, stdin, cfg):
-    """Run one request in a fresh forked child; the reply (None: the caller is gone)."""
+def _call(cfg):
+    """Run the request waiting on stdin in a fresh forked child, which reads it itself (the worker never
+    does); reply, then clean up. False: the caller is gone."""
     fds = [os.memfd_create(name) for name in ("stdin", "stdout", "stderr")]
-    os.pwrite(fds[0], stdin.encode(errors="replace"), 0)  # (its offset stays at 0)
     cwd = f"{cfg.tmp}/{time.monotonic_ns()}"  # a new name (cheaper than tempfile.mkdtemp)
     os.mkdir(cwd, 0o700)
     if cfg.uid is not None:
@@ -228,20 +222,22 @@ def _call(source, stdin, cfg):
     start = time.monotonic()
     # libc's fork: os.fork's at-fork hooks cost ~0.4 ms a call (safe: the worker has one thread, no locks)
     pid = LIBC.fork()
-    if pid == 0:  # the child: confine itself, run the cell, exit (it never returns)
+    if pid == 0:  # the child: confine itself, take its request, run the cell, exit (it never returns)
         code = 1
         try:
             os.setsid()
+            isolation.confine_call(cfg.cgroup, cfg.ruleset if cfg.uid is None else None)
+            source, stdin = marshal.load(cfg.requests)
+            os.pwrite(fds[0], stdin.encode(errors="replace"), 0)  # (its offset stays at 0)
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
             os.closerange(3, 1 << 16)
             os.chdir(cwd)
-            resource.setrlimit(resource.RLIMIT_AS, (cfg.limit_mb << 20,) * 2)  # (the others: the worker's)
-            if cfg.uid is not None:
-                os.setgroups([])
+            if cfg.uid is not None:  # (the worker has no supplementary groups, and the calls' rlimits)
                 os.setgid(cfg.uid)
                 os.setuid(cfg.uid)
-            LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (setuid clears it, so after that)
+            if not cfg.held["pid"]:  # (in a PID namespace it dies with its worker, process 1, anyway)
+                LIBC.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (setuid clears it)
             code = _run(source)
         finally:
             with contextlib.suppress(BaseException):
@@ -249,26 +245,28 @@ def _call(source, stdin, cfg):
                 sys.stderr.flush()
             os._exit(code)
     pidfd = os.pidfd_open(pid)
-    ready = select.select([pidfd, cfg.parent_fd], [], [], cfg.timeout)[0]  # the caller's pipe stirs at EOF
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    poll.register(0, 0)  # the requests: hang-up only (the caller is gone), not the request the child reads
+    ready = {fd for fd, _ in poll.poll(cfg.timeout * 1e3)}
     seconds = time.monotonic() - start
-    if pidfd in ready:
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    _kill_leftovers(cfg)  # (the call too, if it is still running)
-    if any(os.pread(f.fileno(), 4096, 0).count(b"\n") > 1 for f in cfg.ipc):  # it left SysV IPC objects:
-        LIBC.unshare(CLONE_NEWIPC)  # leave them behind in the old namespace
-        cfg.ipc = [open(path, "rb", buffering=0) for path in IPC]  # the new one's (the old files close)
-    stdout, cut_out = _read(fds[1], cfg.max_output, tail=False)
-    stderr, cut_err = _read(fds[2], cfg.max_output, tail=True)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) if pidfd in ready else None
+    isolation.kill_leftovers(cfg.children, cfg.uid)  # (the call too, if it runs): its output is final
+    ooms, cfg.ooms = cfg.ooms, isolation.oom_kills(cfg.cgroup)
+    if 0 not in ready and cfg.waiting.poll(0):  # it died before it took its request: no one can answer it
+        raise RuntimeError("sandbox worker: a call's child died before it read its request")
+    sizes = [os.fstat(fd).st_size for fd in fds[1:]]
+    kept = [min(size, 4 * cfg.max_output + 4) for size in sizes]  # enough bytes for max_output characters
+    header = dict(code=code, oom=cfg.ooms != ooms, seconds=seconds, sizes=sizes, kept=kept)
+    if 0 not in ready:  # the header, then stdout's head and stderr's tail, which never enter this process
+        cfg.replies.write(marshal.dumps(header))
+        isolation.send(cfg.replies.fileno(), fds[1], 0, kept[0])
+        isolation.send(cfg.replies.fileno(), fds[2], sizes[1] - kept[1], kept[1])
+    cfg.ipc = isolation.sysv_leftovers(cfg.ipc, cfg.buffer)  # (clean-up after the reply: the caller has it)
+    isolation.remove(cwd)
     for fd in fds + [pidfd]:
         os.close(fd)
-    try:
-        shutil.rmtree(cwd, ignore_errors=True)
-    except RecursionError:  # a tree deeper than Python's recursion limit: rm recurses without a limit
-        subprocess.run(["rm", "-rf", "--", cwd])
-    if cfg.parent_fd in ready:
-        return None
-    status = "timeout" if pidfd not in ready else {0: "ok", OOM_EXIT: "oom"}.get(code, "error")
-    return dict(status=status, stdout=stdout, stderr=stderr, seconds=seconds, truncated=cut_out or cut_err)
+    return 0 not in ready
 
 
 def _run(source):
@@ -291,60 +289,60 @@ def _run(source):
         while tb is not None and tb.tb_frame.f_code.co_filename != "<code>":
             tb = tb.tb_next
         sys.stderr.write("".join(traceback.format_exception(type(e), e, tb)))
-        return OOM_EXIT if isinstance(e, MemoryError) else 1
+        return 1  # (a MemoryError is told by its traceback: see Sandbox._execute)
 
 
-def _worker():
+def _worker(payload=None):
+    """The worker: its settings (from the caller, or as `payload` from the process that started it in its
+    PID namespace), then calls, one at a time, until the caller closes the requests."""
     import gc, importlib, io, pkgutil, warnings
-    requests = os.fdopen(0, "rb")  # (a call's child puts its own stdin on fd 0)
+    project = sys.path.pop(0)  # (put there for infra/ at the top: the calls must not import from it)
+    requests = os.fdopen(0, "rb")  # (a call's child reads its request from here, then puts its stdin on 0)
+    config = marshal.loads(bytes.fromhex(payload)) if payload else marshal.load(requests)  # kind, uid, ...
+    if config["uid"] in (0, os.getuid()):  # as root, kill_leftovers kills every process of the calls' uid
+        sys.exit(f"sandbox worker: refusing uid {config['uid']} for the calls (it is root's or the caller's)")
+    root, kind = os.geteuid() == 0, config["kind"]
+    if payload is None:  # (else we run in the PID namespace that first_steps made)
+        isolation.first_steps(config, [sys.executable, "-I", "-B", os.path.abspath(__file__), "--worker"])
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
-    config = types.SimpleNamespace(**marshal.load(requests))  # kind, uid (the calls', as root), timeout...
-    if config.uid in (0, os.getuid()):  # as root, _kill_leftovers kills every process of the calls' uid
-        sys.exit(f"sandbox worker: refusing uid {config.uid} for the calls (it is root's or the caller's)")
-    root = os.geteuid() == 0
     os.dup2(2, 1)  # stray prints go to stderr; the calls inherit this and all up to the imports
     sys.stdout.reconfigure(line_buffering=True, errors="backslashreplace")
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big write fails rather than kills
-    LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of a call come back to us
-    LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))  # no file grows past 16 MB
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # As root: new namespaces; calls' directories on a tmpfs over /dev/shm (over /tmp it could hide Python)
-    isolation = {"user": root, "network": False, "filesystem": False}
-    if root:
-        resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))  # (binds a call once it is not root)
-        isolation["network"] = LIBC.unshare(CLONE_NEWNET | CLONE_NEWIPC) == 0
-        if LIBC.unshare(CLONE_NEWNS) == 0:
-            attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY, 0, MS_PRIVATE, 0)  # (set, clear, propagation, -)
-            ro = LIBC.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, attr, ctypes.sizeof(attr)) == 0
-            opts = f"size={config.memory_mb}m,nr_inodes=10000,mode=755".encode()  # (10,000 files at most)
-            isolation["filesystem"] = ro and LIBC.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, opts) == 0
-    for name in FULL if config.kind == "full" else LIGHT:
+    isolation.worker_limits(root)
+    isolation.namespaces(config)
+    for name in FULL if kind == "full" else LIGHT:
         importlib.import_module(name)
     with warnings.catch_warnings(action="ignore"):  # (sympy has installed its own filters by now)
-        for pkg in (importlib.import_module("sympy." + name) for name in SYMPY_ALL if config.kind == "full"):
+        for pkg in (importlib.import_module("sympy." + name) for name in SYMPY_ALL if kind == "full"):
             for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 if ".tests" not in m.name and ".benchmarks" not in m.name:
                     importlib.import_module(m.name)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        for cell in WARM[config.kind == "light":]:
+        for cell in WARM[kind == "light":]:
             _run(cell)
     gc.collect()
     gc.freeze()  # the warm heap stays out of the children's garbage collections
     base_mb = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") >> 20
-    cfg = types.SimpleNamespace(**vars(config), limit_mb=base_mb + config.memory_mb, parent_fd=0,
-                                tmp=tempfile.mkdtemp(dir="/dev/shm" if isolation["filesystem"] else None),
-                                children=os.open(f"/proc/self/task/{os.getpid()}/children", os.O_RDONLY),
-                                ipc=[open(path, "rb", buffering=0) for path in IPC] if root else [])
-    cfg.uid = config.uid if root else None  # (without root, calls run as the caller)
-    os.chmod(cfg.tmp, 0o711)  # calls may pass through to their own directories, not list or change it
-    _kill_leftovers(cfg, force=root)  # whatever a dead predecessor in this slot left running
-    replies.write(marshal.dumps({"isolation": isolation, "modules": sorted(sys.modules)}))  # ready
-    with contextlib.suppress(EOFError):  # (the end of the requests: the caller closed them)
-        while (reply := _call(*marshal.load(requests), cfg)) is not None:
-            replies.write(marshal.dumps(reply))
+    resource.setrlimit(resource.RLIMIT_AS, ((base_mb + config["memory_mb"]) << 20,) * 2)  # (for the calls)
+    tmp = tempfile.mkdtemp(dir="/dev/shm" if config["held"]["filesystem"] else None)
+    os.chmod(tmp, 0o711)  # calls may pass through to their own directories, not list or change it
+    waiting = select.poll()
+    waiting.register(0, select.POLLIN)
+    config["uid"] = config["uid"] if root else None  # (without root, calls run as the caller)
+    cfg = types.SimpleNamespace(**config, requests=requests, replies=replies, tmp=tmp, waiting=waiting,
+                                buffer=bytearray(4096), ooms=isolation.oom_kills(config["cgroup"]),
+                                children=os.open("/proc/thread-self/children", os.O_RDONLY),
+                                ipc=isolation.sysv_files() if root else [])
+    isolation.kill_leftovers(cfg.children, cfg.uid, force=root)  # what a dead predecessor left running
+    paths = isolation.readable_paths(project)  # (after the imports: their shared libraries are loaded)
+    # Last, as they bind this process too: every call it forks inherits them, at no cost a call (as root)
+    cfg.ruleset = isolation.attempt(config, "landlock", lambda: isolation.landlock(paths, tmp), False)
+    isolation.attempt(config, "seccomp", isolation.seccomp_filter, False)
+    ready = dict(held=config["held"], missing=config["missing"], modules=sorted(sys.modules))
+    replies.write(marshal.dumps(ready))
+    while waiting.poll()[0][1] & select.POLLIN and _call(cfg):  # (else the caller closed the requests)
+        continue
     shutil.rmtree(cfg.tmp, ignore_errors=True)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
-    _worker()
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker(*sys.argv[2:3])

@@ -1,14 +1,18 @@
 """sandbox.py, adversarially: one test per guarantee in its docstring (the numbers in brackets).
 Most tests share one two-slot Sandbox; the ones that kill workers or close a sandbox get their own."""
+import errno
 import marshal
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 import sandbox  # noqa: E402
+from infra import isolation  # noqa: E402
 from sandbox import SANDBOX_FAILURE, Sandbox, default_workers  # noqa: E402
 
 TIMEOUT = 3.0  # generous: the slowest legitimate call here (sympy, on a busy machine) takes ~1 s
@@ -44,18 +49,40 @@ def worker_of(box, kind):
     return proc
 
 
-def wait_for_a_call(proc):
-    """Wait until the worker `proc` has forked its call's child (the call is running)."""
-    children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+def children(pid):
+    return [int(child) for child in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def server_of(box, kind):
+    """The pid that forks the `kind` worker's calls: the worker, or (in a PID namespace) its one child."""
+    pid = worker_of(box, kind).pid
+    return children(pid)[0] if box.isolation.get("pid") else pid
+
+
+def wait_for_a_call(box, kind):
+    """Wait until the `kind` worker's call is running: a child of the worker as the calls' user, or (not
+    as root) any child (the worker forks a call's child before its request comes)."""
     deadline = time.monotonic() + 10
-    while not open(children).read().split():
+    while not [pid for pid in children(server_of(box, kind)) if not box.isolation.get("user")
+               or int(open(f"/proc/{pid}/status").read().split("\nUid:")[1].split()[0]) in box._uids]:
         assert time.monotonic() < deadline, "the call never started"
         time.sleep(0.01)
 
 
 def needs(box, what):
-    if not box.isolation.get(what):
-        pytest.skip(f"the kernel or our privileges did not allow '{what}' isolation here: {box.isolation}")
+    """Skip where `what` did not hold (a mechanism the sandbox does not report, it is tested for anyway)."""
+    if not box.isolation.get(what, True):
+        pytest.skip(f"no '{what}' isolation here: {getattr(box, 'missing', {}).get(what)} ({box.isolation})")
+
+
+@pytest.fixture
+def world_readable():
+    """A folder anyone may read, outside the calls' scratch, like the project's data/ (pytest's tmp_path is
+    its owner's alone); removed after the test."""
+    path = Path(tempfile.mkdtemp(prefix="sandbox-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
 
 
 def processes_of(uids):
@@ -224,10 +251,11 @@ if os.fork() == 0:
 _ = os.wait()
 """
     r = sb.run(code)
-    pid = int(r.stdout)
-    time.sleep(0.1)
-    alive = os.path.exists(f"/proc/{pid}") and "\nState:\tZ" not in open(f"/proc/{pid}/status").read()
-    assert not alive, f"grandchild {pid} escaped with setsid and outlived its call"
+    if not sb.isolation.get("pid"):  # (in a PID namespace, the pid it printed is not ours to look up)
+        pid = int(r.stdout)
+        time.sleep(0.1)
+        alive = os.path.exists(f"/proc/{pid}") and "\nState:\tZ" not in open(f"/proc/{pid}/status").read()
+        assert not alive, f"grandchild {pid} escaped with setsid and outlived its call"
     if sb.isolation.get("user"):
         assert_nothing_left(sb)
 
@@ -281,10 +309,12 @@ def test_the_parents_secret_environment_is_not_visible(sb):
 
 def test_code_cannot_kill_its_worker_or_the_test_process(sb):
     needs(sb, "user")
-    for target in ("os.getppid()", str(os.getpid())):
+    for target in ("os.getppid()", str(os.getpid())):  # (in a PID namespace the test process is not there)
         r = sb.run(f"import os, signal\nos.kill({target}, signal.SIGKILL)")
-        assert r.status == "error" and "PermissionError" in r.stderr, r
-    r = sb.run("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('alone')")  # all it may signal: none
+        assert r.status == "error" and ("PermissionError" in r.stderr or "ProcessLookupError" in r.stderr), r
+    # All it may signal: none (in a PID namespace there is no one else at all: ProcessLookupError)
+    r = sb.run("import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\n"
+               "except ProcessLookupError:\n    pass\nprint('alone')")
     assert r.stdout == "alone\n" and sb.run("print(1)").stdout == "1\n"
 
 
@@ -295,6 +325,7 @@ def test_a_python_that_lives_under_tmp_still_imports(sb, tmp_path):
         pytest.skip(f"pytest's temporary directory {tmp_path} is not under /tmp")
     (tmp_path / "venv").symlink_to(os.path.realpath(sys.prefix))
     (tmp_path / "sandbox.py").symlink_to(os.path.join(ROOT, "sandbox.py"))
+    (tmp_path / "infra").symlink_to(os.path.join(ROOT, "infra"))
     script = ("from sandbox import Sandbox\n"
               "with Sandbox(workers=1) as sb:\n"
               "    print(sb.run('import numpy, sympy; print(numpy.int64(6) * 7, sympy.factorint(12))'))")
@@ -355,6 +386,168 @@ def test_network_connect_to_a_local_listener_fails(sb):
 
 
 # -----------------------------------------------------------------------------
+# Against a policy that looks for answers: what a call can see, keep and hold [9-14]
+
+
+ANSWER = "answer-4f1c9e"  # what a fake data file holds for its question
+
+
+def test_a_call_sees_no_process_but_its_own(sb):
+    needs(sb, "pid")
+    r = sb.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), os.getpid())")
+    listed, own = r.stdout.rsplit(" ", 1)
+    assert listed == f"[{int(own)}]", f"a call lists other processes in /proc: {r.stdout[:300]}"
+
+
+def test_a_call_cannot_find_the_trainers_data_through_proc(sb, world_readable):
+    # A trainer started with --data <file>: the call looks for it in /proc/*/cmdline and reads the file.
+    needs(sb, "pid")
+    data = world_readable / "rl.jsonl"
+    data.write_text(f'{{"question": "2 + 2", "answer": "{ANSWER}"}}\n')
+    data.chmod(0o644)
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--data", str(data)])
+    code = """
+import os
+found = []
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')
+        found.append(open(argv[argv.index(b'--data') + 1]).read())
+    except (OSError, ValueError, IndexError):
+        pass
+print(found)
+"""
+    try:
+        time.sleep(0.2)  # (the trainer's command line is in /proc once it has started)
+        r = sb.run(code)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert r.status == "ok" and ANSWER not in r.stdout, f"the call found the trainer's data: {r}"
+
+
+def test_a_call_cannot_read_world_readable_files_outside_its_scratch(sb, world_readable):
+    needs(sb, "landlock")
+    data = world_readable / "test.jsonl"
+    data.write_text(ANSWER)
+    data.chmod(0o644)
+    targets = [str(data), str(world_readable), os.path.join(ROOT, "sandbox.py"), ROOT, "/etc/passwd", "/"]
+    code = f"""
+import os
+read = []
+for path in {targets!r}:
+    try:
+        read.append(os.listdir(path) if os.path.isdir(path) else open(path).read(100))
+    except OSError:
+        pass
+lib = next(line.split()[-1] for line in open('/proc/self/maps') if '/libc' in line)
+print(read, len(open(lib, 'rb').read(4)))  # (what Python runs on stays readable)
+"""
+    r = sb.run(code)
+    assert r.stdout == "[] 4\n", f"the call read files outside its scratch, or not its own libraries: {r}"
+
+
+def test_the_previous_calls_output_is_not_in_the_next_calls_memory(lone):
+    # The worker used to hold each reply when it forked the next call, which could read it from its memory.
+    scan = """
+import ctypes
+want = {reversed!r}  # the token, reversed: this code never holds it the right way round
+hits = 0
+for fields in [line.split() for line in open('/proc/self/maps')]:  # (its own memory, as ctypes reads it)
+    if fields[1].startswith('rw') and not fields[-1].startswith('[v'):
+        start, end = (int(x, 16) for x in fields[0].split('-'))
+        hits += ctypes.string_at(start, end - start)[::-1].count(want)
+print(hits)
+"""
+    for _ in range(3):
+        token = lone.run("import os\nprint(os.urandom(16).hex())").stdout.strip()
+        r = lone.run(scan.format(reversed=token[::-1].encode()))
+        assert r.status == "ok" and r.stdout == "0\n", f"the next call found the previous call's output: {r}"
+
+
+MEMFD_HOARD = """
+import os
+held = []
+for i in range(128):  # 128 x 8 MB = 1 GB, twice the cap
+    held.append(os.memfd_create(str(i)))
+    os.write(held[-1], b'x' * (8 << 20))
+    print(8 * len(held), flush=True)
+"""
+FORKED_HOARDERS = """
+import os, time
+for _ in range(4):  # 4 x 200 MB, each under the cap by itself
+    if os.fork() == 0:
+        x = b'x' * (200 << 20)
+        time.sleep(1.5)
+        os._exit(0)
+time.sleep(1.0)
+held = 0
+for pid in map(int, open(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read().split()):
+    size, resident, shared = (int(x) for x in open(f'/proc/{pid}/statm').read().split()[:3])
+    held += (resident - shared) * os.sysconf('SC_PAGE_SIZE') >> 20
+print(held, flush=True)
+"""
+
+
+@pytest.mark.parametrize("code", [MEMFD_HOARD, FORKED_HOARDERS], ids=["memfd", "forked children"])
+def test_a_call_holds_no_more_than_its_memory_cap_in_all(lone, code):
+    # memory_mb capped each process (and memfd pages not at all): 1 GB of memfds, 4 x 200 MB of children.
+    needs(lone, "memory")
+    r = lone.run(code)
+    held = int(r.stdout.split()[-1]) if r.stdout.split() else 0
+    assert r.status == "oom" and held < 512, f"a call held {held} MB under a 512 MB cap: {r}"
+
+
+def test_a_call_cannot_make_a_user_namespace_or_use_io_uring(sb):
+    # unshare(CLONE_NEWUSER) gave full capabilities in a new namespace; io_uring would bypass the filter.
+    needs(sb, "seccomp")
+    code = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.unshare({isolation.CLONE_NEWUSER}), ctypes.get_errno())
+params = ctypes.create_string_buffer(120)
+print(libc.syscall(425, 8, params), ctypes.get_errno())  # io_uring_setup (the same number everywhere)
+"""
+    r = sb.run(code)
+    assert r.stdout == f"-1 {errno.EPERM}\n-1 {errno.ENOSYS}\n", f"a user namespace or io_uring: {r}"
+
+
+def test_a_call_cannot_connect_to_a_host_unix_socket(sb, world_readable):
+    # "No network" held for IP and abstract sockets, not for a 0777 socket file on the host (X11, D-Bus...).
+    needs(sb, "seccomp")
+    path = str(world_readable / "host.sock")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        os.chmod(path, 0o777)
+        server.listen()
+        r = sb.run(f"import socket\nsocket.socket(socket.AF_UNIX).connect({path!r})\nprint('connected')")
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    assert r.status == "error" and "connected" not in r.stdout, f"the call reached a host unix socket: {r}"
+
+
+def test_key_rings_and_posix_message_queues_are_refused(sb):
+    # Both outlive a call (a uid's key rings, an IPC namespace's queues): the next call could read them.
+    needs(sb, "seccomp")
+    add_key = isolation.SYSCALLS[os.uname().machine]["keys"][0]
+    code = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.syscall({add_key}, b'user', b'note', b'{ANSWER}', {len(ANSWER)}, -4), ctypes.get_errno())
+print(libc.mq_open(b'/note', os.O_CREAT | os.O_RDWR, 0o600, None), ctypes.get_errno())
+"""
+    r = sb.run(code)
+    assert r.stdout == f"-1 {errno.EPERM}\n-1 {errno.EPERM}\n", f"a key or a message queue was made: {r}"
+
+
+@pytest.mark.parametrize("code", ["import sys\nsys.exit(101)", "import os\nos._exit(101)"])
+def test_an_exit_code_is_an_error_with_its_code_not_oom(sb, code):
+    r = sb.run(code)
+    assert r.status == "error" and r.exit_code == 101, f"exit code 101 was taken for something else: {r}"
+
+
+# -----------------------------------------------------------------------------
 # Concurrency and workers [1, 7, 8]
 
 
@@ -370,7 +563,7 @@ def test_1000_submissions_from_several_threads_get_their_own_output(sb):
 
 def test_a_worker_killed_during_a_call_is_a_sandbox_failure_and_is_replaced(lone):
     future = lone.submit(ESCAPING_SLEEPER)  # (a light call: a time.sleep, and a setsid child that sleeps)
-    wait_for_a_call(worker_of(lone, "light"))
+    wait_for_a_call(lone, "light")
     for proc in list(lone._procs.values()):  # both workers: the light one mid-call, the full one idle
         proc.send_signal(signal.SIGKILL)
     r = future.result(timeout=30)
@@ -387,9 +580,8 @@ def test_a_worker_killed_during_an_answer_check_leaves_that_verdict_none(lone):
     pairs = [("10^{10^{10^{10}}}", "1"), ("\\frac{1}{2}", "0.5"), ("3", "4"), ("x^2", "x^2")]
     with ThreadPoolExecutor(1) as ex:
         verdicts = ex.submit(lone.verify_batch, pairs)
-        full = worker_of(lone, "full")
-        wait_for_a_call(full)
-        full.send_signal(signal.SIGKILL)
+        wait_for_a_call(lone, "full")
+        worker_of(lone, "full").send_signal(signal.SIGKILL)
         assert verdicts.result(timeout=120) == [None, True, False, True], "only the killed check is undecided"
     assert lone.verify_batch([("0.75", "3/4")]) == [True], "the pool did not recover"
 
@@ -409,7 +601,7 @@ def test_a_hung_worker_is_a_sandbox_failure_after_timeout_plus_grace(lone, monke
     monkeypatch.setattr(sandbox, "GRACE", 2.0)
     r = lone.run("import time\ntime.sleep(60)")
     assert r.status == "timeout", f"a call stopped at its own timeout is the code's doing: {r}"
-    worker_of(lone, "light").send_signal(signal.SIGSTOP)  # alive, but it will never reply
+    os.kill(server_of(lone, "light"), signal.SIGSTOP)  # alive, but it will never reply
     start = time.monotonic()
     r = lone.run("print('hello')")
     waited = time.monotonic() - start
