@@ -228,7 +228,8 @@ def _call(cfg):
             os.setsid()
             isolation.confine_call(cfg.cgroup, cfg.ruleset if cfg.uid is None else None)
             source, stdin = marshal.load(cfg.requests)
-            os.pwrite(fds[0], stdin.encode(errors="replace"), 0)  # (its offset stays at 0)
+            if stdin:
+                os.pwrite(fds[0], stdin.encode(errors="replace"), 0)  # (its offset stays at 0)
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
             os.closerange(3, 1 << 16)
@@ -251,7 +252,7 @@ def _call(cfg):
     ready = {fd for fd, _ in poll.poll(cfg.timeout * 1e3)}
     seconds = time.monotonic() - start
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) if pidfd in ready else None
-    isolation.kill_leftovers(cfg.children, cfg.uid)  # (the call too, if it runs): its output is final
+    isolation.kill_leftovers(cfg.children, cfg.uid, cfg.cleaner.pid)  # (the call too): its output is final
     ooms, cfg.ooms = cfg.ooms, isolation.oom_kills(cfg.cgroup)
     if 0 not in ready and cfg.waiting.poll(0):  # it died before it took its request: no one can answer it
         raise RuntimeError("sandbox worker: a call's child died before it read its request")
@@ -259,11 +260,10 @@ def _call(cfg):
     kept = [min(size, 4 * cfg.max_output + 4) for size in sizes]  # enough bytes for max_output characters
     header = dict(code=code, oom=cfg.ooms != ooms, seconds=seconds, sizes=sizes, kept=kept)
     if 0 not in ready:  # the header, then stdout's head and stderr's tail, which never enter this process
-        cfg.replies.write(marshal.dumps(header))
-        isolation.send(cfg.replies.fileno(), fds[1], 0, kept[0])
-        isolation.send(cfg.replies.fileno(), fds[2], sizes[1] - kept[1], kept[1])
+        parts = [(fds[1], 0, kept[0]), (fds[2], sizes[1] - kept[1], kept[1])]
+        isolation.send(cfg.replies.fileno(), cfg.staging, marshal.dumps(header), parts)
     cfg.ipc = isolation.sysv_leftovers(cfg.ipc, cfg.buffer)  # (clean-up after the reply: the caller has it)
-    isolation.remove(cwd)
+    cfg.cleaner.remove(cwd)
     for fd in fds + [pidfd]:
         os.close(fd)
     return 0 not in ready
@@ -309,6 +309,7 @@ def _worker(payload=None):
     sys.stdout.reconfigure(line_buffering=True, errors="backslashreplace")
     isolation.worker_limits(root)
     isolation.namespaces(config)
+    cleaner = isolation.Cleaner()  # (small and unconfined: before the imports, and Landlock)
     for name in FULL if kind == "full" else LIGHT:
         importlib.import_module(name)
     with warnings.catch_warnings(action="ignore"):  # (sympy has installed its own filters by now)
@@ -330,9 +331,10 @@ def _worker(payload=None):
     config["uid"] = config["uid"] if root else None  # (without root, calls run as the caller)
     cfg = types.SimpleNamespace(**config, requests=requests, replies=replies, tmp=tmp, waiting=waiting,
                                 buffer=bytearray(4096), ooms=isolation.oom_kills(config["cgroup"]),
+                                staging=os.memfd_create("reply"), cleaner=cleaner,
                                 children=os.open("/proc/thread-self/children", os.O_RDONLY),
                                 ipc=isolation.sysv_files() if root else [])
-    isolation.kill_leftovers(cfg.children, cfg.uid, force=root)  # what a dead predecessor left running
+    isolation.kill_leftovers(cfg.children, cfg.uid, cfg.cleaner.pid, force=root)  # a dead predecessor's
     paths = isolation.readable_paths(project)  # (after the imports: their shared libraries are loaded)
     # Last, as they bind this process too: every call it forks inherits them, at no cost a call (as root)
     cfg.ruleset = isolation.attempt(config, "landlock", lambda: isolation.landlock(paths, tmp), False)

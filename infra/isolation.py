@@ -38,7 +38,7 @@ FS_TRUNCATE = 1 << 14  # (ABI 3)
 FS_RIGHTS = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}  # ABI -> all it has
 NET_ALL, SCOPE_ALL = 3, 3  # ABI 4: bind and connect TCP; ABI 6: abstract unix sockets and signals
 DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
-RM = shutil.which("rm") or "/bin/rm"  # what removes a call's files (see remove)
+RM = shutil.which("rm") or "/bin/rm"  # what removes a call's files (see Cleaner)
 DEVICE_RIGHTS = FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE  # (a rule on a file holds only file rights)
 # The syscalls seccomp_filter filters, per machine (asm/unistd_64.h, asm-generic/unistd.h)
 SYSCALLS = {"x86_64": dict(arch=0xC000003E, socket=41, clone=56, unshare=272, clone3=435,
@@ -142,14 +142,14 @@ def mount_namespace(memory_mb, scratch="/dev/shm"):
     _check(LIBC.mount(b"tmpfs", scratch.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), f"mount {scratch}")
 
 
-def kill_leftovers(children, uid, force=False):
+def kill_leftovers(children, uid, keep, force=False):
     """Kill and reap what calls left running: as root, every process of the calls' `uid` (a child does it
-    as that uid); else our children (`children`: an fd of our /proc/thread-self/children)."""
-    while force or os.pread(children, 1, 0):  # we have children, zombies included
+    as that uid); else our children (`children`: an fd of our /proc/thread-self/children) but `keep`."""
+    while force or (left := set(os.pread(children, 1 << 16, 0).split()) - {b"%d" % keep}):  # (zombies too)
         if not force and os.waitpid(-1, os.WNOHANG)[0]:
             continue  # (reaped one)
         if uid is None:
-            for pid in os.pread(children, 1 << 16, 0).split():
+            for pid in left:
                 with contextlib.suppress(OSError):
                     os.kill(int(pid), signal.SIGKILL)
         elif os.fork() == 0:
@@ -179,24 +179,46 @@ def sysv_leftovers(files, buffer):
     return files
 
 
-def remove(path):
-    """Remove a call's directory: at once if it is empty, else in a child that runs rm (any depth), so
-    that the names of the call's files never enter this process's memory."""
-    with contextlib.suppress(OSError):  # (not empty: it left files)
-        os.rmdir(path)
-    if os.path.lexists(path):
-        if (pid := os.fork()) == 0:
-            with contextlib.suppress(BaseException):
-                os.execv(RM, ["rm", "-rf", "--", path])
-            os._exit(1)
-        os.waitpid(pid, 0)
+class Cleaner:
+    """A child that removes the calls' directories for the worker, with rm (any depth), so that the names
+    of a call's files never enter the worker's memory, which the next call is forked with. Started before
+    the worker confines itself: Landlock checks each step of a removal from the tree's top, and rm took
+    seconds for a tree 3,000 levels deep under it."""
+
+    def __init__(self):
+        (requests, self._requests), (self._done, done) = os.pipe(), os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (it dies with the worker)
+            os.dup2(requests, 0)
+            os.dup2(done, 1)
+            os.closerange(3, 1 << 16)  # (the worker's pipes to its caller among them)
+            for path in os.fdopen(0, "rb"):
+                os.spawnv(os.P_WAIT, RM, ["rm", "-rf", "--", os.fsdecode(path[:-1])])
+                os.write(1, b"1")
+            os._exit(0)
+
+    def remove(self, path):
+        """Remove a call's directory: at once if it is empty, else through the cleaner."""
+        try:
+            return os.rmdir(path)
+        except OSError:  # (not empty: it left files)
+            os.write(self._requests, os.fsencode(path) + b"\n")
+            os.read(self._done, 1)
 
 
-def send(out, fd, offset, n):
-    """Send `n` bytes of the file `fd` from `offset` to `out`, kernel to kernel (they never enter us)."""
-    while n:
-        sent = os.sendfile(out, fd, offset, n)
-        offset, n = offset + sent, n - sent
+def send(out, staging, header, parts):
+    """Write `header`, then each (fd, offset, count) of `parts`, to the pipe `out` in one write, so that
+    its reader wakes once (each wake-up costs this machine an interrupt between cores): staged in the
+    memfd `staging` by the kernel (copy_file_range, sendfile), the parts never enter this process."""
+    os.ftruncate(staging, 0)
+    end = os.pwrite(staging, header, 0)
+    for fd, offset, n in parts:
+        while n and (copied := os.copy_file_range(fd, staging, n, offset, end)):
+            offset, end, n = offset + copied, end + copied, n - copied
+    offset = 0
+    while offset < end:
+        offset += os.sendfile(out, staging, offset, end - offset)
 
 
 # --- The memory cgroup ---------------------------------------------------------------------------------
@@ -221,15 +243,19 @@ def _own_memory_cgroup():
 
 def memory_cgroup(limit_mb):
     """A cgroup for one worker's calls, capped at `limit_mb` (no swap), in this process's own; removes the
-    ones of dead workers. Returns (its path, an fd of its cgroup.procs, an fd of its OOM counter)."""
+    ones of dead workers. Returns (its path, an fd to move a process in with, an fd of its OOM counter)."""
     own, version = _own_memory_cgroup()
     for name in os.listdir(own):  # a worker killed with SIGKILL left its (empty) cgroup behind
         if name.startswith("sandbox-") and not os.path.exists(f"/proc/{name[8:]}"):
             with contextlib.suppress(OSError):  # (not empty: some process is still in it)
                 os.rmdir(f"{own}/{name}")
     if version == 2 and "memory" not in open(f"{own}/cgroup.subtree_control").read().split():
-        with open(f"{own}/cgroup.subtree_control", "w") as f:  # (EBUSY where our cgroup holds processes)
-            f.write("+memory")
+        try:
+            with open(f"{own}/cgroup.subtree_control", "w") as f:
+                f.write("+memory")
+        except OSError as e:  # (EBUSY: v2 lets no cgroup with processes of its own have children with it)
+            raise OSError(e.errno, f"cgroup v2: {own} cannot give its children the memory controller "
+                                   f"({e.strerror}); start the trainer in a cgroup delegated to it") from e
     path = f"{own}/sandbox-{os.getpid()}"
     os.makedirs(path, exist_ok=True)
     limits = {1: [("memory.limit_in_bytes", limit_mb << 20), ("memory.memsw.limit_in_bytes", limit_mb << 20)],
@@ -239,7 +265,9 @@ def memory_cgroup(limit_mb):
             with open(f"{path}/{name}", "w") as f:
                 f.write(str(value))
     counter = os.open(f"{path}/{'memory.oom_control' if version == 1 else 'memory.events'}", os.O_RDONLY)
-    return path, os.open(f"{path}/cgroup.procs", os.O_WRONLY), counter
+    # v1's tasks moves one thread (a call's child has one): unlike cgroup.procs it takes no lock that
+    # waits for an RCU grace period, which on a loaded machine took a call's move from 0.05 to 14 ms (p99)
+    return path, os.open(f"{path}/{'tasks' if version == 1 else 'cgroup.procs'}", os.O_WRONLY), counter
 
 
 def oom_kills(cgroup):
@@ -276,7 +304,7 @@ def readable_paths(project):
     return sorted(p for p in paths if p and not project.startswith(os.path.realpath(p).rstrip("/") + "/"))
 
 
-def landlock(readable, scratch, programs=(RM,)):
+def landlock(readable, scratch, programs=()):
     """Confine this process and all it forks from now on: it opens only the `readable` folders (read-only,
     their programs runnable), /proc (read), the DEVICES, the `programs` (to run) and everything beneath
     `scratch`; no TCP; it signals, and reaches abstract unix sockets of, only the processes it forks. It
