@@ -34,7 +34,7 @@ from infra.engine import add_engine_flags, make_engine, model_eos_ids
 from infra.training import WAIT_TIMEOUT_MINUTES, cpu_group, init_distributed
 from rollout import (EVALUATION, STAGE_ROLLOUTS, RolloutConfig, add_rollout_flags, drop_long_prompts,
                      read_problems, rollout_config, trajectory_metrics)
-from sandbox import Sandbox
+from sandbox import TOOL_TIMEOUT, Sandbox
 from scheduler import rollout_scheduled
 
 # -----------------------------------------------------------------------------
@@ -63,7 +63,7 @@ def get_args(argv=None):
     add_engine_flags(parser, memory_fraction=0.85)
     parser.add_argument("--tool-workers", type=int, default=None,
                         help="sandbox workers per rank (default: the node's CPU cores shared among its ranks)")
-    parser.add_argument("--tool-timeout", type=float, default=5.0, help="seconds a tool call may run")
+    parser.add_argument("--tool-timeout", type=float, default=TOOL_TIMEOUT, help="seconds a tool call may run")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--first", type=int, default=None,
                         help="only the first N problems of each file (e.g. the stage-3 filter on a sample)")

@@ -57,7 +57,7 @@ def _whole_batch(trajs, problem_queue, sandbox, cfg):
 # The baseline: turn-synchronous
 
 
-def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
+def rollout_lockstep(llm_engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
                      problem_queue: ProblemQueue | None = None):
     """Turn k of every active trajectory of this rank's share, then all turn-k tool calls as one
     sandbox batch, then turn k+1. Returns (the whole batch's trajectories, stats: its
@@ -71,11 +71,11 @@ def rollout_lockstep(engine, tokenizer, sandbox, problems: list[dict], n: int, c
         while active:
             t0 = time.perf_counter()
             for t in active:
-                engine.add_request(request_id(t), {"prompt_token_ids": t.prompt_ids + t.response_ids},
+                llm_engine.add_request(request_id(t), {"prompt_token_ids": t.prompt_ids + t.response_ids},
                                    sampling_params(t, cfg, tokenizer))
             outputs = {}
-            while engine.has_unfinished_requests():
-                outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+            while llm_engine.has_unfinished_requests():
+                outputs.update((out.request_id, out) for out in llm_engine.step() if out.finished)
             gen_s += time.perf_counter() - t0
             calls = []
             for t in active:
@@ -132,14 +132,14 @@ class KVAdmission:
         self.grown, self.turns = self.grown + tokens, self.turns + turn
 
 
-def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
+def rollout_scheduled(llm_engine, tokenizer, sandbox, problems: list[dict], n: int, cfg: RolloutConfig,
                       problem_queue: ProblemQueue | None = None):
     """Roll out n samples of every problem this rank pulls (1-3 above). Returns (the whole batch's
     trajectories, stats: its trajectory_metrics and this rank's seconds; tool_wait_seconds: the
     engine idle, waiting on tools)."""
     problem_queue = problem_queue or ProblemQueue()
-    kv_tokens = cfg.kv_budget or kv_capacity_tokens(engine)
-    admission = KVAdmission(kv_tokens, kv_block_tokens(engine), cfg)
+    kv_tokens = cfg.kv_budget or kv_capacity_tokens(llm_engine)
+    admission = KVAdmission(kv_tokens, kv_block_tokens(llm_engine), cfg)
     timer = RolloutTimer(kv_tokens, len(problems) * n)
     results = queue.SimpleQueue()        # (trajectory, future), put by the sandbox's threads
     waiting, running = deque(), {}       # pulled, not yet admitted; request id -> trajectory on the engine
@@ -151,7 +151,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
             timer.finished()
             return
         running[request_id(t)] = t
-        engine.add_request(request_id(t), {"prompt_token_ids": t.prompt_ids + t.response_ids},
+        llm_engine.add_request(request_id(t), {"prompt_token_ids": t.prompt_ids + t.response_ids},
                            sampling_params(t, cfg, tokenizer))
 
     def after_tool(t, result):           # a turn's growth includes its tool turn
@@ -184,8 +184,8 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
         # step the engine: a finished turn ends its trajectory, shows a malformed call's error as the
         # tool output, or goes to the sandbox; with nothing to step, wait for a tool result
         arrived = []                     # (trajectory, future) of the tool results to append now
-        if engine.has_unfinished_requests():
-            for out in timer.step(engine, running):
+        if llm_engine.has_unfinished_requests():
+            for out in timer.step(llm_engine, running):
                 if not out.finished:
                     continue
                 t = running.pop(out.request_id)
@@ -215,7 +215,7 @@ def rollout_scheduled(engine, tokenizer, sandbox, problems: list[dict], n: int, 
 # A training step's draw
 
 
-def draw(driver, engine, tokenizer, sandbox, problems: list[dict], seed: int, position: int, count: int,
+def draw(driver, llm_engine, tokenizer, sandbox, problems: list[dict], seed: int, position: int, count: int,
          n: int, cfg: RolloutConfig, key: str, dynamic: int = 0, group=None) -> tuple[list, dict, int]:
     """A step's rollouts: `count` problems of the stream of `problems` (batch.ProblemStream, shuffled by
     `seed`) from `position`, `n` rollouts each, by `driver` (one of the two above) with `cfg`. With
@@ -230,7 +230,7 @@ def draw(driver, engine, tokenizer, sandbox, problems: list[dict], seed: int, po
         queue = ProblemQueue(f"{key}/{index}", dist.is_initialized() and dist.get_world_size() > 1, group)
         settings = dataclasses.replace(cfg, seed=cfg.seed + 100_003 * index)
         batch = stream.take(position + drawn, count)
-        new, stats = driver(engine, tokenizer, sandbox, batch, n, settings, queue)
+        new, stats = driver(llm_engine, tokenizer, sandbox, batch, n, settings, queue)
         for t in new:
             t.index += drawn
         trajs += new

@@ -8,4 +8,5 @@
 - offload.py: the trainer's state in host memory while the engine is awake
 - lora.py: peft adapters, merged for the engine and the export
 - memory_plan.py: the GPU memory of every phase, from the model's config
+- isolation.py: the kernel's walls around a sandbox call (namespaces, Landlock, seccomp, a memory cgroup)
 """
