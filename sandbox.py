@@ -208,9 +208,10 @@ WARM = ["from sympy import *\nfrom math_verify import parse, verify\nx = Symbol(
         "solve(x**2 - 1), factorint(360), simplify(sin(x)**2 + cos(x)**2), integrate(x * exp(x), x)\n"
         "limit(sin(x) / x, x, 0), series(cos(x), x, 0, 4)\n"
         "ok = verify(parse('\\\\boxed{\\\\frac{1}{2}}'), parse('\\\\boxed{0.5}'))", "x = [1]\nx[0] / 0"]
+
+
 def _call(cfg):
-    """Run the request waiting on stdin in a fresh forked child, which reads it itself (the worker never
-    does); reply, then clean up. False: the caller is gone."""
+    """Run the request on stdin in a forked child that reads it itself; reply; clean up. False: it is gone."""
     fds = [os.memfd_create(name) for name in ("stdin", "stdout", "stderr")]
     cwd = f"{cfg.tmp}/{time.monotonic_ns()}"  # a new name (cheaper than tempfile.mkdtemp)
     os.mkdir(cwd, 0o700)
@@ -220,7 +221,7 @@ def _call(cfg):
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(int.from_bytes(os.urandom(4), "little"))  # (faster than seed())
     start = time.monotonic()
-    # libc's fork: os.fork's at-fork hooks cost ~0.4 ms a call (safe: the worker has one thread, no locks)
+    # libc's fork: os.fork's hooks cost ~0.4 ms (bench/sandbox_speed.py), for locks and threads we lack
     pid = LIBC.fork()
     if pid == 0:  # the child: confine itself, take its request, run the cell, exit (it never returns)
         code = 1
@@ -246,16 +247,15 @@ def _call(cfg):
                 sys.stderr.flush()
             os._exit(code)
     pidfd = os.pidfd_open(pid)
-    poll = select.poll()
-    poll.register(pidfd, select.POLLIN)
-    poll.register(0, 0)  # the requests: hang-up only (the caller is gone), not the request the child reads
-    ready = {fd for fd, _ in poll.poll(cfg.timeout * 1e3)}
+    cfg.hangup.register(pidfd, select.POLLIN)  # (its exit; stdin's hang-up: the caller is gone)
+    ready = {fd for fd, _ in cfg.hangup.poll(cfg.timeout * 1e3)}
+    cfg.hangup.unregister(pidfd)
     seconds = time.monotonic() - start
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) if pidfd in ready else None
     isolation.kill_leftovers(cfg.children, cfg.uid, cfg.cleaner.pid)  # (the call too): its output is final
     ooms, cfg.ooms = cfg.ooms, isolation.oom_kills(cfg.cgroup)
-    if 0 not in ready and cfg.waiting.poll(0):  # it died before it took its request: no one can answer it
-        raise RuntimeError("sandbox worker: a call's child died before it read its request")
+    if 0 not in ready and any(event & select.POLLIN for _, event in cfg.waiting.poll(0)):  # (still there)
+        raise RuntimeError("sandbox worker: a call's child died before it read its request: none can answer")
     sizes = [os.fstat(fd).st_size for fd in fds[1:]]
     kept = [min(size, 4 * cfg.max_output + 4) for size in sizes]  # enough bytes for max_output characters
     header = dict(code=code, oom=cfg.ooms != ooms, seconds=seconds, sizes=sizes, kept=kept)
@@ -293,8 +293,7 @@ def _run(source):
 
 
 def _worker(payload=None):
-    """The worker: its settings (from the caller, or as `payload` from the process that started it in its
-    PID namespace), then calls, one at a time, until the caller closes the requests."""
+    """The worker: its settings (from stdin, or `payload` from first_steps), then calls till stdin closes."""
     import gc, importlib, io, pkgutil, warnings
     project = sys.path.pop(0)  # (put there for infra/ at the top: the calls must not import from it)
     requests = os.fdopen(0, "rb")  # (a call's child reads its request from here, then puts its stdin on 0)
@@ -326,12 +325,13 @@ def _worker(payload=None):
     resource.setrlimit(resource.RLIMIT_AS, ((base_mb + config["memory_mb"]) << 20,) * 2)  # (for the calls)
     tmp = tempfile.mkdtemp(dir="/dev/shm" if config["held"]["filesystem"] else None)
     os.chmod(tmp, 0o711)  # calls may pass through to their own directories, not list or change it
-    waiting = select.poll()
-    waiting.register(0, select.POLLIN)
+    waiting, hangup = select.poll(), select.poll()
+    waiting.register(0, select.POLLIN)  # a request (or the caller's hang-up)
+    hangup.register(0, 0)  # only the caller's hang-up, not a request that a call's child reads
     config["uid"] = config["uid"] if root else None  # (without root, calls run as the caller)
     cfg = types.SimpleNamespace(**config, requests=requests, replies=replies, tmp=tmp, waiting=waiting,
+                                hangup=hangup, staging=os.memfd_create("reply"), cleaner=cleaner,
                                 buffer=bytearray(4096), ooms=isolation.oom_kills(config["cgroup"]),
-                                staging=os.memfd_create("reply"), cleaner=cleaner,
                                 children=os.open("/proc/thread-self/children", os.O_RDONLY),
                                 ipc=isolation.sysv_files() if root else [])
     isolation.kill_leftovers(cfg.children, cfg.uid, cfg.cleaner.pid, force=root)  # a dead predecessor's

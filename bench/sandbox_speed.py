@@ -2,9 +2,10 @@
 call, the way most RL code runs tools, at the same concurrency, on three workloads; then a burst of 1,000
 submissions at once. With --before (another sandbox.py, e.g. `git show <commit>:sandbox.py > FILE`) the
 same run measures that pool too, and a call of print(1+1) one at a time through both, interleaved: its
-latency and the CPU it costs (the workers' and the caller's). Then what os.fork's at-fork hooks cost in a
-process with the light worker's modules, against libc's fork, which sandbox.py uses. The last line is the
-ratio: `speedup vs subprocess: tiny <x>, sympy <y>, error <z>[; before: ...; print(1+1) after/before: ...]`.
+latency (the median over rounds of their ratio) and the CPU it costs the workers and the caller (in all).
+Then what os.fork's at-fork hooks cost in a process with the light worker's modules, against libc's fork,
+which sandbox.py uses. The last line is the ratio:
+`speedup vs subprocess: tiny <x>, sympy <y>, error <z>[; before: ...; print(1+1) after/before: ...]`.
 
     python bench/sandbox_speed.py [--rounds 3] [--workers N] [--before FILE]
 """
@@ -53,9 +54,9 @@ print(seconds["os"], seconds["libc"])
 parser = argparse.ArgumentParser(description="the sandbox's pool against a subprocess per call")
 parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of pool and subprocess runs")
 parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="pool workers and concurrency")
-parser.add_argument("--before", help="another sandbox.py to measure in the same run (the code before a change)")
-parser.add_argument("--calls", type=int, default=40, help="print(1+1) calls per round and pool (with --before)")
-parser.add_argument("--latency-rounds", type=int, default=50, help="interleaved print(1+1) rounds (with --before)")
+parser.add_argument("--before", help="another sandbox.py to measure in the same run (the code before)")
+parser.add_argument("--calls", type=int, default=100, help="print(1+1) calls a round and pool (--before)")
+parser.add_argument("--latency-rounds", type=int, default=30, help="interleaved print(1+1) rounds (--before)")
 args = parser.parse_args()
 
 
@@ -100,7 +101,7 @@ if args.before:
 speedups = {name: [] for name in pools}
 with ThreadPoolExecutor(n) as ex:
     for name, box in pools.items():
-        print(f"{name}: {n} workers, concurrency {n}, {args.rounds} interleaved rounds, isolation {box.isolation}")
+        print(f"{name}: {n} workers, concurrency {n}, {args.rounds} interleaved rounds, {box.isolation}")
     for workload, code in WORKLOADS.items():
         for box in pools.values():
             box.run_batch([code] * 2 * n)  # warm-up
@@ -156,12 +157,14 @@ if args.before:
                 assert box.run("print(1+1)").stdout == "2\n"
             per_call[who]["wall"].append((time.perf_counter() - start) / args.calls)
             per_call[who]["cpu"].append((worker_cpu(box) + sum(os.times()[:2]) - cpu) / args.calls)
-    for who, measured in per_call.items():
-        print(f"print(1+1) {who:6} {statistics.median(measured['wall']) * 1e3:6.2f} ms a call, "
-              f"{statistics.median(measured['cpu']) * 1e3:6.2f} ms of CPU (medians of {args.latency_rounds} rounds)")
-    wall, cpu = ([a / b for a, b in zip(per_call["after"][k], per_call["before"][k])] for k in ("wall", "cpu"))
-    ratio = (f"; before: {', '.join(speedups['before'])}; print(1+1) after/before: "
-             f"latency {statistics.median(wall):.2f}, cpu {statistics.median(cpu):.2f}")
+    for who, measured in per_call.items():  # (CPU is counted in ticks, 10 ms: a mean over all rounds)
+        wall, cpu = statistics.median(measured["wall"]), statistics.mean(measured["cpu"])
+        print(f"print(1+1) {who:6} {wall * 1e3:6.2f} ms a call (median of {args.latency_rounds} rounds), "
+              f"{cpu * 1e3:6.2f} ms of CPU (mean)")
+    wall = statistics.median(a / b for a, b in zip(per_call["after"]["wall"], per_call["before"]["wall"]))
+    cpu = sum(per_call["after"]["cpu"]) / sum(per_call["before"]["cpu"])
+    ratio = (f"; before: {', '.join(speedups['before'])}; "
+             f"print(1+1) after/before: latency {wall:.2f}, cpu {cpu:.2f}")
     for box in boxes.values():
         box.close()
 
