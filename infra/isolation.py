@@ -1,8 +1,10 @@
 """The kernel mechanisms that confine sandbox.py's workers and their calls; each function says what it does.
 
 A worker (one process per slot and kind) sets them up once, and every call it forks inherits them, so
-they cost a call nothing but the move into its memory cgroup. `attempt` records for each what held and
-why not; sandbox.py reports that as Sandbox.isolation and Sandbox.missing.
+they cost a call nothing but the move into its memory cgroup (and, without root, a Landlock domain of
+its own: confine_call). `attempt` records for each what held and why not; sandbox.py reports that as
+Sandbox.isolation and Sandbox.missing. A Cleaner, started before the worker confines itself, removes the
+files calls leave.
 
 - memory_cgroup: a memory cgroup for the worker's calls, nested in the worker's own: all of a call's
   processes, memfd, tmpfs and SysV pages count together against its cap; the kernel's OOM killer stops
