@@ -221,8 +221,8 @@ def test_only_rank_0_holds_the_full_model_and_both_ranks_end_with_its_weights(tm
 @pytest.mark.slow
 def test_a_hung_collective_fails_in_the_timeout_while_a_straggler_is_waited_for(tmp_path):
     """init_distributed(timeout_minutes) bounds the training's collectives (NCCL's on GPUs, gloo's here),
-    not the gloo group's waits for other ranks' rollouts: with 3 seconds, rank 1 joins a barrier on the
-    waits group 6 seconds late and is waited for, then skips an all-reduce, which fails on rank 0."""
+    not the gloo group's waits for other ranks' rollouts: with 1.2 seconds, rank 1 joins a barrier on the
+    waits group 3 seconds late and is waited for, then skips an all-reduce, which fails on rank 0."""
     cmd = [*torchrun(2), __file__, str(tmp_path), "timeouts"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
                           timeout=300)
@@ -236,10 +236,10 @@ def _timeouts_rank_main(folder: str):
     """One rank of the test above (run by torchrun)."""
     import time
     from infra.training import cpu_group, init_distributed
-    rank = init_distributed(timeout_minutes=0.05)[0]
+    rank = init_distributed(timeout_minutes=0.02)[0]
     result = {}
     if rank == 1:
-        time.sleep(6)
+        time.sleep(3)
     torch.distributed.barrier(group=cpu_group())
     result["straggler"] = "waited"
     if rank == 0:
@@ -253,7 +253,7 @@ def _timeouts_rank_main(folder: str):
         with open(f"{folder}/rank0.json", "w") as f:
             json.dump(result, f)
     else:
-        time.sleep(10)  # (alive and silent while rank 0 waits)
+        time.sleep(5)  # (alive and silent while rank 0 waits)
     os._exit(0)  # (the group is broken: no teardown to wait for)
 
 

@@ -1,11 +1,15 @@
-"""The policy update on a tiny random Qwen3 model: one process, no vLLM, no torchrun.
+"""The policy update on a tiny random Qwen3 model: no vLLM; one process, and two ranks under torchrun.
 
 `update` below is train.py's policy update (its calls, in its order: a test checks it), run on hand-made
 trajectories whose prompts share a start (like the system prompt), so the shared-prefix path and the
 micro-batch plan of infra/update.py run too."""
 import ast
 import inspect
+import json
 import math
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -156,3 +160,68 @@ def test_several_mini_batches_step_from_the_policy_before_the_first():
     assert row["optimizer_steps"] == 2
     assert not math.isclose(row["ratio_mean"], 1.0, abs_tol=1e-6), \
         "the second step's ratio must be against the policy before the first step"
+
+
+# -- two ranks against one -----------------------------------------------------------------------
+# Every option a GPU run combines, each as train.py loads it (load_sharded_model, load_reference,
+# param_groups) and updates it (`update`), two optimizer steps of 5 rollouts in micro-batches of one
+# rollout each: a mini-batch of 3 on two ranks leaves one rank a pass of padding beside a data pass.
+OPTIONS = {
+    "kl to a frozen copy, tis": dict(kl_coef=0.1, mismatch_correction="tis:2"),
+    "lora and the head, kl to a frozen copy": dict(kl_coef=0.1, lora=["train=lm_head"]),
+    "lora alone, kl to the adapters off": dict(kl_coef=0.1, lora=[]),
+    "mask, no kl": dict(mismatch_correction="mask:1.5"),
+}
+
+
+@pytest.mark.slow
+def test_two_ranks_with_passes_of_padding_update_like_one(tmp_path):
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch checks that both ranks call the same collectives with
+    the same shapes (the reference's forward after the padding's policy forward once hung or, under
+    LoRA, paired collectives of another size); a collective that waits half a minute fails the run."""
+    tiny_model().save_pretrained(tmp_path / "base")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), OMP_NUM_THREADS="1",
+               TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    from conftest import torchrun
+    for nproc, launcher in ((1, [sys.executable]), (2, torchrun(2))):
+        proc = subprocess.run([*launcher, __file__, str(tmp_path), str(nproc)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, f"{nproc} rank(s):\n{proc.stderr[-4000:]}"
+    for name in OPTIONS:
+        one, two = (json.loads((tmp_path / f"{name}-{n}.json").read_text()) for n in (1, 2))
+        assert two["padding_passes"] > 0 and one["padding_passes"] == 0, f"{name}: no pass of padding"
+        assert one["optimizer_steps"] == 2 and (one["kl_ref"] > 0) == ("kl" in name.replace("no kl", ""))
+        for key in ("loss", "kl_ref", "clip_frac_low", "clip_frac_high", "masked_frac", "grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), f"{name}: {key} differs, two ranks"
+        diff = max(abs(a - b) for a, b in zip(one["weights"], two["weights"]))
+        assert diff < 1e-4, f"{name}: two ranks end {diff:.2e} away from one"
+
+
+def _two_ranks_main(folder: str, nproc: str):
+    """The ranks of the test above: every option in turn, its metrics and weights to `folder`."""
+    from infra.batch import without_payload
+    from infra.lora import lora_settings, param_groups
+    from infra.training import init_distributed, load_reference, load_sharded_model
+    rank, _, world_size, device = init_distributed(timeout_minutes=0.5)
+    for name, option in OPTIONS.items():
+        flags = SimpleNamespace(lora_rank=4 if "lora" in option else 0, lora_setting=option.get("lora", []),
+                                lr=1e-2, seed=0)
+        model = load_sharded_model(f"{folder}/base", device, lora=lora_settings(flags)).train()
+        reference = load_reference(model, f"{folder}/base", device) if option.get("kl_coef") else None
+        optimizer = torch.optim.AdamW(param_groups(model, flags))
+        kept = rollouts(5)  # (each rank holds the tokens of the rollouts it "rolled out", as after gather)
+        kept = [t if i % world_size == rank else without_payload(t) for i, t in enumerate(kept)]
+        changes = {k: v for k, v in option.items() if k != "lora"}
+        row = update(model, optimizer, kept, [1.0, -1.0, 0.5, -0.5, 1.5], PROBES, reference, mini_batches=2,
+                     micro_batch_tokens=1, **changes)
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        weights = torch.cat([state[k].float().flatten() for k in sorted(state)]).tolist()
+        if rank == 0:
+            with open(f"{folder}/{name}-{nproc}.json", "w") as f:
+                json.dump(dict(row, weights=weights), f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _two_ranks_main(sys.argv[1], sys.argv[2])
