@@ -65,7 +65,7 @@ def tool_call(tool: str, **arguments: str) -> dict:
     as the tool's function call. A "tool_call" without "tool" is the Python tool's {"code", "input"}, as
     SFT files written before there were other tools have it. (No tool may name an argument "tool".)"""
     if tool not in TOOLS:
-        raise ValueError(f"unknown tool {tool!r}\n---> HINT: a tool call names one of tools.TOOLS: "
+        raise ValueError(f"unknown tool {tool!r}\n---> HINT: a tool call names one of conversation.TOOLS: "
                          f"{', '.join(TOOLS)}")
     required = TOOLS[tool].spec["function"]["parameters"].get("required", [])
     if set(arguments) - set(TOOLS[tool].arguments) or set(required) - set(arguments):
@@ -224,7 +224,7 @@ def encode(tokenizer, pieces: list[str]) -> list[int]:
 def render_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of a conversation, exactly as a rollout builds them: each turn encoded on its
     own (a rollout never re-tokenizes across turns). Messages: an optional system message (default
-    SYSTEM_PROMPT), a user message, then assistant messages (which may carry a "tool_call": tools.tool_call)
+    SYSTEM_PROMPT), a user message, then assistant messages (which may carry a "tool_call": tool_call)
     alternating with tool or further user messages. loss_mask is 1 on assistant tokens, their closing
     <|im_end|> included. CHAT_TEMPLATE renders the same text."""
     msgs = list(messages)

@@ -128,8 +128,8 @@ def tokenize_conversations(tokenizer, conversations, path, max_len):
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}:{line_number}: cannot render this conversation: {e!r}\n"
                              f"---> HINT: roles are system/user/assistant/tool; assistant messages may carry "
-                             f'"tool_call": {{"tool": NAME IN tools.TOOLS, ARGUMENT: VALUE, ...}} '
-                             f'(tools.tool_call), or the Python tool\'s {{"code": ..., "input": ...}}'
+                             f'"tool_call": {{"tool": NAME IN conversation.TOOLS, ARGUMENT: VALUE, ...}} '
+                             f'(conversation.tool_call), or the Python tool\'s {{"code": ..., "input": ...}}'
                              ) from None
         if len(ids) > max_len:
             too_long.append((line_number, len(ids)))

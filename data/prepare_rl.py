@@ -39,7 +39,7 @@ from rollout import as_number  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
-# Integer answers: grading.as_number reads the number (it says what it accepts around and within
+# Integer answers: rollout.as_number reads the number (it says what it accepts around and within
 # one: $...$, \boxed{...}, a sign, leading zeros, thousands separators, a decimal point); an
 # integer is kept as its plain digits ("033" -> "33", "1{,}000" -> "1000", "12.0" -> "12": the same
 # number, which the grader also accepts). Rejected: anything else (fractions, other decimals,
