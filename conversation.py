@@ -1,10 +1,9 @@
 """The conversation format (paper Fig. 3; docs/design.md §2): SFT, RL, eval and chat use it.
 
-First the tools a run may offer (TOOLS: each one's spec and its program for the sandbox). A conversation
-is rendered as text (for people, logs, and the chat template saved with checkpoints) and
-as token ids (for the model). The template's own markers become control tokens; the content (problems,
-messages, tool output) is always encoded as plain text. Then: reading what the model wrote (its tool
-call, its answer), and writing what the tool printed.
+First the tools a run may offer (TOOLS). A conversation is rendered as text (for people, logs, and the
+chat template saved with checkpoints) and as token ids (for the model): the template's own markers
+become control tokens, the content (problems, messages, tool output) is always plain text. Then:
+reading what the model wrote (its tool call, its answer), and writing what the tool printed.
 """
 import json
 import re
@@ -14,10 +13,8 @@ from typing import Callable
 
 
 # -----------------------------------------------------------------------------
-# The tools a run may offer (--tools: rollout.add_rollout_flags): each one's function spec, as the
-# system prompt lists it, and its program for the sandbox; and a tool call as SFT data carries it.
-# The model calls a tool by its spec's function name with JSON arguments (parse_tool_call reads
-# them; the tool's program turns them into code and stdin). A second tool is one more entry in TOOLS.
+# The tools a run may offer (--tools: rollout.add_rollout_flags), and a tool call as SFT data carries it.
+# The model calls a tool by its spec's function name with JSON arguments (parse_tool_call reads them).
 
 TOOL_NAME = "execute_python_code_with_standard_io"
 
@@ -53,8 +50,8 @@ class Tool:
         return list(self.spec["function"]["parameters"]["properties"])
 
 
-# The tools a run may offer, by the name --tools takes; a call names a tool by its spec's name. Every
-# argument of these tools is a string (conversation.parse_tool_call checks it).
+# By the name --tools takes; a second tool is one more entry. Every argument is a string (parse_tool_call
+# checks it).
 TOOLS = {"python": Tool(_PYTHON_SPEC, lambda args: (args["code"], args.get("input", "")))}
 DEFAULT_TOOLS = ("python",)  # the paper's one tool
 
@@ -85,8 +82,6 @@ def function_call(call: dict) -> tuple[str, dict]:
 
 # -----------------------------------------------------------------------------
 # The format
-
-
 
 def system_prompt(tools=DEFAULT_TOOLS) -> str:
     """The paper's system prompt (Fig. 3) with `tools` (names in TOOLS) in its <tools> block."""
@@ -168,7 +163,7 @@ def render_tool_turn(output: str) -> str:
 
 def render_tool_call(code: str, stdin: str = "") -> str:
     """The Python tool's call; another tool's: render_assistant_turn of a message with its tool_call."""
-    return "".join(function_call_pieces(*function_call(tool_call("python", code=code, input=stdin))))
+    return "".join(function_call_pieces(TOOL_NAME, {"code": code, "input": stdin}))
 
 
 def render_assistant_turn(message: dict) -> str:
@@ -382,7 +377,4 @@ def prompt_ids(tokenizer, question: str, tools=DEFAULT_TOOLS) -> list[int]:
 def pad_token_id(tokenizer) -> int:
     """The id that pads a batch's rows (never trained on: padding is off the loss mask): the tokenizer's
     pad token, else its eos token, else 0."""
-    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if token_id is not None:
-            return token_id
-    return 0
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)

@@ -179,10 +179,9 @@ def start_trajectories(tokenizer, problems: list[dict], n: int, offset: int = 0,
 
 
 def turn_seed(traj: Trajectory, cfg: RolloutConfig) -> int | None:
-    """The sampling seed of the trajectory's next turn, the same whichever driver or batch runs it. It is
-    None, so the engine's own generator seeded once draws the noise, unless cfg.deterministic: vLLM
-    samples requests that carry a seed one at a time, and on GPUs without FlashInfer's sampler (see
-    docs/gpu.md)."""
+    """The sampling seed of the trajectory's next turn, the same whichever driver or batch runs it; None
+    (the engine's generator, seeded once) unless cfg.deterministic: vLLM samples a request that carries
+    a seed on its own (docs/gpu.md)."""
     if not cfg.deterministic:
         return None
     return hash((cfg.seed, traj.index, traj.sample, traj.num_turns)) % 2**31
@@ -231,16 +230,16 @@ def add_tool_turn(traj: Trajectory, result, tokenizer, cfg: RolloutConfig) -> No
     a failed call by kind; one that does not fit the budget ends the trajectory ("length"). The output is
     plain text: it cannot end the turn or open another. A failure of the sandbox itself is not the model's:
     not a failed call; the trajectory ends there, marked (what follows would not be what its code did)."""
-    if not isinstance(result, str) and result.status == SANDBOX_FAILURE:
+    if isinstance(result, str):
+        kind, output = "parse", result
+    elif result.status == SANDBOX_FAILURE:
         traj.sandbox_failed = True
         traj.finish_reason = "sandbox_failure"
         return
-    if isinstance(result, str):
-        kind, output = "parse", result
     else:
-        kind = result.status if result.status in FAILURE_KINDS else "error"
+        kind = result.status if result.status in ("ok", *FAILURE_KINDS) else "error"
         output = format_tool_response(result, cfg.max_tool_chars)
-    if isinstance(result, str) or result.status != "ok":
+    if kind != "ok":
         traj.tool_failures[kind] = traj.tool_failures.get(kind, 0) + 1
     pieces = tool_turn_pieces(output)
     ids = encode(tokenizer, pieces)
@@ -284,13 +283,11 @@ def as_number(text: str) -> int | float | None:
 
 
 def grade(answers: list[str | None], golds: list[str], sandbox=None) -> list[float | None]:
-    """Verdicts for a batch: 1.0 (equivalent) or 0.0 (not, or no answer); None where the check did not
-    complete because the sandbox failed (sandbox.SANDBOX_FAILURE: a worker died or hung), which says nothing
-    about the answer: the caller must not score it 0 (rollout.score leaves such a sample out). An answer
-    that makes the check fail (error, timeout) scores 0.0. Plain numbers are compared exactly here;
-    math-verify decides the rest, in one batch in the sandbox's workers (under their hard timeout). Without
-    a sandbox it runs in this process (never None): fine for scripts and tests, but in training pass the
-    sandbox, so that a pathological answer cannot hang the trainer."""
+    """Verdicts for a batch: 1.0 (equivalent) or 0.0 (not, no answer, or the check failed on it); None
+    where the sandbox failed (a worker died or hung), which says nothing of the answer: `score` leaves such
+    a sample out. math-verify runs in one batch in the sandbox's workers, under their hard timeout;
+    without a sandbox, in this process (never None): for scripts and tests, not training, where a
+    pathological answer could hang the trainer."""
     rewards, undecided = [0.0] * len(answers), []
     for i, (answer, gold) in enumerate(zip(answers, golds)):
         if answer is None:

@@ -1,62 +1,47 @@
 """The memory plan of one GPU (and of a node's host memory) through an RL step, from the model's config.
 
 Every GPU runs one FSDP2 trainer rank and one vLLM engine (infra/engine.py, infra/training.py, train.py).
-The plan adds up, phase by phase, what each holds; P is the parameter count, N the number of GPUs, T the
-tokens of the longest micro-batch, V the vocabulary, h the hidden size. Bytes per GPU:
+The plan adds up, phase by phase, what each holds; P is the parameter count, N the number of GPUs.
+Bytes per GPU:
 
 1. Resume (a run's own checkpoint, --init-from): the checkpoint loads before the engine takes its share
   (or with it asleep). torch's get_optimizer_state_dict first materialises the optimizer state with zero
-  gradients and one AdamW step (torch/distributed/checkpoint/state_dict.py _init_optim_state): fp32
-  weights, gradients and two moments, 16P/N (fused AdamW: no temporary). At start-up rank 0 moves each
-  full module to its GPU as FSDP2 shards it (training.load_sharded_model).
+  gradients and one AdamW step: 16P/N. At start-up rank 0 moves each full module to its GPU as FSDP2
+  shards it (training.load_sharded_model).
 2. Rollout: the engine awake inside its share of the GPU (vLLM's gpu_memory_utilization): bf16
-  weights (2P), CUDA graphs, its persistent buffers, the profile's transient peak (a forward of
-  max_num_batched_tokens, a sampler pass of max_num_seqs x V in fp32) and the KV cache, which is
-  what the share leaves. Beside it the trainer's fp32 weights and AdamW moments (12P/N), unless
-  they are offloaded to pinned host memory (Offload, below), which leaves the engine 12P/N more.
-3. Training (forward and backward, engine asleep: its CUDA graphs and the buffers outside the sleep
-  pools stay on the GPU, as vLLM keeps graphs in its sleep pool only with sleep_mode_offload_cudagraph,
-  off by default: config/model.py, config/vllm.py use_cumem_cudagraph_pool):
-  weights, gradients, moments (16P/N); the root (embeddings, head) gathered in bf16 through forward
-  and backward; two decoder layers gathered; each layer's input kept (activation checkpointing),
-  the padding mask. The peak is the largest of three moments of the backward:
-  a. the log-prob chunks (logprobs.token_logprobs): the final hidden states and norm, one chunk's
-     fp32 logits and their gradients, the head's bf16 gradient and each chunk's temporary for it;
-  b. a decoder layer: its activations recomputed and their gradients, its bf16 gradients and their
-     fp32 copy for the reduce-scatter (FSDP2 reduces in fp32);
-  c. the root's reduce at the end: its bf16 gradients and their fp32 copy.
+  weights (2P), CUDA graphs, its persistent buffers, the profile's transient peak and the KV cache,
+  which is what the share leaves. Beside it the trainer's fp32 weights and AdamW moments (12P/N),
+  unless they are offloaded (6), which leaves the engine 12P/N more.
+3. Training (forward and backward, the engine asleep but for its CUDA graphs and the buffers outside
+  its sleep pools): weights, gradients, moments (16P/N); the root (embeddings, head) gathered in bf16;
+  two decoder layers gathered; each layer's input kept (activation checkpointing); the padding mask.
+  The peak is the largest of three moments of the backward (_training): a. the log-prob chunks
+  (logprobs.token_logprobs); b. a decoder layer's recomputation; c. the root's reduce at the end.
 4. Optimizer step: weights, gradients, moments: 16P/N (fused AdamW: no temporary).
   Training and the optimizer step also count the caching allocator's reserve beyond the tensors it
   holds: the trainer allocates in expandable segments (training.expandable_segments), a fraction
   then (RESERVED_OVER_ALLOCATED).
 5. Weight sync (engine.sync_weights): the engine's weights woken, not its KV cache, beside the
-  trainer's 12P/N; vLLM's layerwise reload keeps each incoming bf16 tensor of a module until the
-  module is complete, then builds the module on the GPU and copies it into the woken weights; the
-  trainer casts each shard to bf16 before gathering it: 2 x module + 2 x module + 2 x its last
-  tensor (the gather's buffer), largest for the embeddings or the head (6 bytes x V x h).
+  trainer's 12P/N, and vLLM's layerwise reload of the largest module (Shape.reload_peak_bytes).
 Every phase also pays the CUDA context and NCCL's buffers, and keeps a margin free.
 6. Offload (offload_trainer): the trainer's fp32 shards and moments (12P/N) go to pinned host memory
   after the sync (and checkpoint, export) and come back after the engine sleeps: 24P/N bytes per
   step per GPU over PCIe. "auto" offloads when that at least doubles the rollouts the engine holds
   at their longest, or when nothing fits without it. The engine must start after the offload: vLLM
   asks for its share of the GPU free at start-up.
-7. Host memory of the busiest node (node 0): the sleeping engines' pinned backups (level 2: only the
-  runtime pool; level 1 also every weight allocation, each rounded up to a power of two by torch's
-  pinned allocator, which keeps the blocks once freed: pinned_bytes), the offloaded trainer state, the
-  trajectories (each rank's own rollouts, lists until they are scored, and every trajectory's numbers:
-  batch.ProblemQueue), rank 0's HF export (the full state dict in fp32, then in bf16), the sandbox
-  workers, each rank's process. (Rank 0 reads the model, 4P, at start-up, before any of these; a
-  sandbox call may use up to its memory cap, 1 GiB, while it runs: not counted.)
+7. Host memory of the busiest node (node 0): the sleeping engines' pinned backups, the offloaded
+  trainer state, the trajectories, rank 0's HF export, the sandbox workers, each rank's process.
+  (Rank 0 reads the model, 4P, at start-up, before any of these; a sandbox call may use up to its
+  memory cap, 1 GiB, while it runs: not counted.)
 8. Reference (reference=True: a frozen copy for a KL penalty; run_settings follows
   training.load_reference's rule): its bf16 weights sharded (2P/N) in every phase, offloaded with the
   trainer; in training also its root gathered in bf16, which FSDP2 keeps until update.MiniBatch.finish.
   A pass without gradients keeps only the final hidden states (logprobs.final_hidden).
 The engine's share goes to vLLM as gpu_memory_utilization (memory_fraction), not as the KV cache's
-bytes (kv_cache_memory_bytes): vLLM then measures its own weights, buffers, transient peak and CUDA
-graphs and sizes the KV cache to fit the share, so an estimate here that is too small shrinks the
-KV cache instead of overrunning the GPU; with kv_cache_memory_bytes vLLM skips that subtraction.
-These are estimates from parameter counts and read sources, not measurements: docs/gpu.md's first GPU
-run checklist says how to check them. The sources named are vLLM 0.32's and torch 2.13's.
+bytes: vLLM then measures its own weights, buffers, transient peak and CUDA graphs and sizes the KV
+cache to fit the share, so an estimate here that is too small shrinks the KV cache instead of
+overrunning the GPU. These are estimates from parameter counts and read sources (vLLM 0.32's, torch
+2.13's), not measurements: docs/gpu.md's first GPU run checklist says how to check them.
 """
 from dataclasses import dataclass
 
@@ -70,23 +55,16 @@ from rollout import MAX_PROMPT, PROBLEMS_PER_STEP, ROLLOUTS_PER_PROBLEM, STAGE_R
 # -----------------------------------------------------------------------------
 # The model's shape, from a config (Shape: a Qwen or Llama decoder's counts); KNOWN holds the
 # architectures of docs/gpu.md's table (the hub's config.json values), so it needs no download.
-KNOWN = {
-    "Qwen2.5-1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960,
-                         num_attention_heads=12, num_key_value_heads=2, head_dim=128, vocab_size=151936,
-                         tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
-                       num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
-                       tie_word_embeddings=False),
-    "Qwen3-8B": dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     tie_word_embeddings=False),
-    "Qwen3-14B": dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=17408,
-                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                      tie_word_embeddings=False),
-    "Qwen2.5-32B": dict(num_hidden_layers=64, hidden_size=5120, intermediate_size=27648,
-                        num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=152064,
-                        tie_word_embeddings=False),
-}
+# Each row: _FIELDS in order; every one of them has heads of 128.
+_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+           "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+KNOWN = {name: dict(zip(_FIELDS, counts), head_dim=128) for name, counts in {
+    "Qwen2.5-1.5B": (28, 1536, 8960, 12, 2, 151936, True),
+    "Qwen2.5-7B": (28, 3584, 18944, 28, 4, 152064, False),
+    "Qwen3-8B": (36, 4096, 12288, 32, 8, 151936, False),
+    "Qwen3-14B": (40, 5120, 17408, 40, 8, 151936, False),
+    "Qwen2.5-32B": (64, 5120, 27648, 40, 8, 152064, False),
+}.items()}
 
 
 @dataclass
@@ -190,8 +168,7 @@ GPUS_PER_NODE = 8
 #   also requires utilization x total <= the free memory when the engine starts.
 CUDA_GRAPHS = 1 * GiB     # an estimate of the graph pool: vLLM measures it (gpu_model_runner.py
 #   profile_cudagraph_memory) for the capture sizes of config/vllm.py (1, 2, 4, 8..248 by 8,
-#   256..512 by 16), and logs "CUDA graph pool memory: ... (actual), ... (estimated)". It stays on the
-#   GPU while the engine sleeps (sleep_mode_offload_cudagraph is off by default: config/model.py)
+#   256..512 by 16), and logs "CUDA graph pool memory: ... (actual), ... (estimated)"
 ENGINE_BUFFERS = GiB // 2  # the runner's other persistent buffers, block tables, attention metadata,
 #   non-torch allocations (cuBLAS, Triton): an estimate
 # engine/arg_utils.py get_batch_defaults, the LLM class: (max_num_batched_tokens, max_num_seqs); GPUs
@@ -206,9 +183,7 @@ SAMPLER_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 4
 SAMPLER_TRITON_ROWS = 304  # v1/sample/ops/topk_topp_triton.py caches a (rows, V) fp32 buffer, rows at most
 #   the GPU's SMs: 132 on an H100, 304 CUs on an MI300X (the larger counted)
 
-# ---- the trainer (torch 2.13) ----
-# a decoder layer's activations per token in bf16 (fp32 where the RMSNorms upcast), recomputed in its
-# backward: see Shape.layer_activation_bytes
+# ---- the trainer (torch 2.13); a decoder layer's activations: Shape.layer_activation_bytes ----
 LOGIT_BYTES_TRAINING = 16  # a log-prob chunk's backward per logit: the fp32 logits the log-sum-exp keeps,
 #   the gradients of the gather and of the log-sum-exp, their sum (logprobs._chunk_logprobs)
 FINAL_HIDDEN_BYTES = 12    # per token and hidden unit: the last layer's output (2), the final norm's fp32
@@ -262,11 +237,6 @@ def engine_host_backup(s: Shape, sleep_level: int) -> int:
     return sum(pinned_bytes(n) for n in allocations)
 
 
-def vllm_batch(gpu_gib: float) -> tuple[int, int]:
-    """vLLM 0.32's defaults for the LLM class on this GPU: (max_num_batched_tokens, max_num_seqs)."""
-    return VLLM_BATCH_LARGE_GPU if gpu_gib >= 70 else VLLM_BATCH_SMALL_GPU
-
-
 @dataclass
 class Plan:
     """Bytes per GPU in each phase (each a dict of named terms), the engine's share and KV cache,
@@ -305,7 +275,7 @@ def _engine(s: Shape, gpu_gib: float) -> tuple[dict, dict]:
     use_cumem_cudagraph_pool, compilation/cudagraph_pool.py capture_pool) and the buffers it allocates
     outside the pools (device_allocator/sleep_mode_backend.py: sleep backs up the "runtime" pool to
     host memory, and at level 1 the "weights", and drops the rest)."""
-    batched_tokens, seqs = vllm_batch(gpu_gib)
+    batched_tokens, seqs = VLLM_BATCH_LARGE_GPU if gpu_gib >= 70 else VLLM_BATCH_SMALL_GPU
     asleep = {"engine: CUDA graphs (on the GPU asleep too)": CUDA_GRAPHS,
               "engine: buffers": (batched_tokens * s.hidden * 2            # the runner's inputs_embeds
                                   + SAMPLER_TRITON_ROWS * s.vocab * 4      # the top-k/top-p buffer
@@ -369,15 +339,6 @@ def _training(s: Shape, ranks: int, micro_batch_tokens: int, rollout_tokens: int
     return max(moments, key=lambda terms: sum(terms.values()))
 
 
-def _optimizer_step(s: Shape, ranks: int, lora_rank: int = 0, lora_head: bool = False) -> dict:
-    """4. Fused AdamW (train.py on GPUs) updates each parameter in one kernel, no temporary: weights,
-    gradients, moments. (foreach AdamW kept sqrt(second moment) of every parameter at once, 4P/N more:
-    torch/optim/adam.py _multi_tensor_adam, exp_avg_sq_sqrt.)"""
-    if lora_rank:
-        return _trainer_state(s, ranks, lora_rank, gradients=True, lora_head=lora_head)
-    return {"trainer: weights, gradients, moments (fused AdamW)": 16 * s.params // ranks}
-
-
 def _allocator_reserve(trainer_terms: dict) -> dict:
     """3-4. What the caching allocator reserves beyond what the trainer's tensors hold: with expandable
     segments (training.expandable_segments) a fraction of them."""
@@ -399,6 +360,7 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
     engine, engine_asleep = _engine(s, gpu / GiB)
     frozen = _reference(s, ranks, reference)
     trainer_state = {**_trainer_state(s, ranks, lora_rank, gradients=False, lora_head=lora_head), **frozen}
+    beside_trainer = {**frozen, **engine_asleep, **context}  # while the engine sleeps
     # 2. the share is what the trainer and the context leave, less the margin; the KV cache what the
     # rest of the engine leaves of it
     share = gpu - MARGIN - CONTEXT - (0 if offload else sum(trainer_state.values()))
@@ -407,19 +369,19 @@ def _phases(s: Shape, ranks: int, gpu: int, micro_batch_tokens: int, rollout_tok
     # The reference is allocated once and never resized while the trainer works, so the allocator's
     # reserve, which comes from the trainer's churn of tensors, does not grow with it.
     training = _training(s, ranks, micro_batch_tokens, rollout_tokens, logprob_chunk, lora_rank, lora_head)
-    training = {**training, **_allocator_reserve(training), **frozen, **engine_asleep, **context}
+    training = {**training, **_allocator_reserve(training), **beside_trainer}
     if reference:  # 8. its root stays gathered through the micro-batches
         training["reference: root gathered (bf16)"] = 2 * s.embedding_params
-    step = _optimizer_step(s, ranks, lora_rank, lora_head)
-    step = {**step, **_allocator_reserve(step), **frozen, **engine_asleep, **context}
+    # 4. fused AdamW (train.py on GPUs) updates each parameter in one kernel, no temporary (foreach AdamW
+    # kept sqrt(second moment) of every parameter at once, 4P/N more: torch/optim/adam.py _multi_tensor_adam)
+    initialised = _trainer_state(s, ranks, lora_rank, gradients=True, lora_head=lora_head)
+    step = {**initialised, **_allocator_reserve(initialised), **beside_trainer}
     # 1. torch/distributed/checkpoint/state_dict.py _init_optim_state: zero gradients and a step with lr 0;
     # at start-up FSDP2 moves each module of rank 0's model to the GPU whole before sharding it
-    initialised = _optimizer_step(s, ranks, lora_rank, lora_head)
     dtype, weight_bytes = ("bf16", 2) if lora_rank else ("fp32", 4)  # (a LoRA base is read in bf16)
     loading = {f"trainer: {dtype} shards": weight_bytes * p // ranks,
                f"a module in full ({dtype})": weight_bytes * max(s.embedding_params, s.layer_params)}
-    resume = {**max(initialised, loading, key=lambda terms: sum(terms.values())), **frozen, **engine_asleep,
-              **context}
+    resume = {**max(initialised, loading, key=lambda terms: sum(terms.values())), **beside_trainer}
     # 5. the trainer's state is still on the GPU: it offloads after the sync
     sync = {**trainer_state, "engine: bf16 weights": 2 * p, **engine_asleep,
             "reload: a module's tensors, its copy, a gather's buffer": s.reload_peak_bytes,
@@ -500,12 +462,12 @@ def _terms(terms: dict, indent: str) -> list[str]:
     return lines + [line.rstrip(", ")]
 
 
-def describe(p: Plan, ranks: int) -> str:
+def describe(p: Plan) -> str:
     """The plan as the lines train.py --plan prints: every phase with its terms (GiB)."""
     gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
     offload = "on" if p.offload else "off"
     without, with_ = p.rollouts_with_offload[False], p.rollouts_with_offload[True]
-    lines = [f"memory plan per GPU ({p.params / 1e9:.1f}B parameters{p.training}, {ranks} GPUs of "
+    lines = [f"memory plan per GPU ({p.params / 1e9:.1f}B parameters{p.training}, {p.ranks} GPUs of "
              f"{p.gpu / GiB:.0f} GiB; from the config, not measured; GiB)",
              f"  engine share (--memory-fraction) {p.memory_fraction:.3f}: KV cache {gib(p.kv_cache)}; "
              f"a rollout holds up to {p.rollout_tokens} tokens:",
@@ -517,7 +479,7 @@ def describe(p: Plan, ranks: int) -> str:
     for phase, terms in p.phases.items():
         lines.append(f"  {phase}: peak {gib(sum(terms.values()))}")
         lines += _terms(terms, "      ")
-    lines.append(f"  host memory of node 0 ({min(ranks, GPUS_PER_NODE)} GPUs): {gib(p.host_per_node)}")
+    lines.append(f"  host memory of node 0 ({min(p.ranks, GPUS_PER_NODE)} GPUs): {gib(p.host_per_node)}")
     lines += _terms(p.host, "      ")
     lines.append(f"  fits: {'yes' if p.fits else 'NO'} (every phase within {p.gpu / GiB:.0f} GiB less a "
                  f"{MARGIN / GiB:.0f} GiB margin)")
@@ -585,7 +547,7 @@ def report(args, world_size: int) -> int:
     if [m for m in trained if m != "lm_head"]:
         print(f"(the plan counts a trained lm_head, not {','.join(trained)}: 14 bytes a parameter more)")
     p = plan_for_model(args.model, gpus, gib, offload=args.offload_trainer, **run_settings(args))
-    print(describe(p, gpus))
+    print(describe(p))
     return 0 if p.fits else 1
 
 
@@ -596,7 +558,7 @@ def gpu_settings(args, device, ranks: int, log) -> tuple[float | None, bool]:
     if device.type != "cuda":
         return None, args.offload_trainer == "on"
     p = plan_for_model(args.model, ranks, offload=args.offload_trainer, **run_settings(args))
-    log(describe(p, ranks))
+    log(describe(p))
     if not p.fits:
         raise SystemExit("the memory plan above does not fit these GPUs\n---> HINT: --offload-trainer on, "
                          "fewer --micro-batch-tokens, more GPUs (the trainer's share shrinks with them), "

@@ -135,7 +135,7 @@ def test_a_frozen_reference_is_counted_beside_the_trainer_and_offloaded_with_it(
     assert on.kv_cache == plan(TINY, offload="on", **common).kv_cache
     assert on.host["trainer offloaded: pinned weights, moments"] == 2 * (2328 + 388)
     assert on.offload_bytes_per_step == 2 * (2328 + 388)
-    assert "a frozen reference" in describe(ref, 2) and "reference" not in describe(off, 2)
+    assert "a frozen reference" in describe(ref) and "reference" not in describe(off)
 
 
 def test_train_py_gpu_settings_pass_the_reference_to_the_plan():
@@ -230,7 +230,7 @@ def test_the_targets_of_the_gpu_node():
 @pytest.mark.parametrize("lora_rank", [0, 32])
 def test_describe_prints_every_phase_and_term(lora_rank):
     p = plan(KNOWN["Qwen3-14B"], **STAGE1, lora_rank=lora_rank)
-    text = describe(p, 8)
+    text = describe(p)
     for phase, terms in p.phases.items():
         assert f"  {phase}: peak {sum(terms.values()) / GiB:.1f}" in text
         for name in terms:
