@@ -227,10 +227,11 @@ def draw(driver, llm_engine, tokenizer, sandbox, problems: list[dict], seed: int
     stream, trajs, timing, drawn, first = ProblemStream(problems, seed), [], defaultdict(float), 0, 0
     while True:
         index = drawn // count  # the first draw samples as a step without dynamic sampling does
-        queue = ProblemQueue(f"{key}/{index}", dist.is_initialized() and dist.get_world_size() > 1, group)
+        problem_queue = ProblemQueue(f"{key}/{index}", dist.is_initialized() and dist.get_world_size() > 1,
+                                     group)
         settings = dataclasses.replace(cfg, seed=cfg.seed + 100_003 * index)
         batch = stream.take(position + drawn, count)
-        new, stats = driver(llm_engine, tokenizer, sandbox, batch, n, settings, queue)
+        new, stats = driver(llm_engine, tokenizer, sandbox, batch, n, settings, problem_queue)
         for t in new:
             t.index += drawn
         trajs += new
@@ -246,4 +247,4 @@ def draw(driver, llm_engine, tokenizer, sandbox, problems: list[dict], seed: int
     if dynamic:
         trained = set(sorted(mixed)[:count])
         trajs = [t for t in trajs if t.index in trained]
-    return trajs, dict(stats, mixed_share=len(mixed_groups(trajs)) / count), position + drawn
+    return trajs, dict(stats, mixed_share=min(len(mixed), count) / count), position + drawn

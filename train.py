@@ -33,17 +33,16 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, EPS_HIGH, EPS_LOW, MISMATCH_MODES,
-                      drop_sandbox_failures, filter_void_turns, group_advantages, mismatch_correction,
-                      policy_loss)
+from grpo_roc import (DOWNSAMPLER_SETTINGS, DOWNSAMPLERS, EPS_HIGH, EPS_LOW, drop_sandbox_failures,
+                      filter_void_turns, group_advantages, mismatch_correction, policy_loss)
 from infra import memory_plan
 from infra.engine import (add_engine_flags, engine_dtype, full_weights, make_engine, model_eos_ids, shutdown,
                           sleep, sync_weights, wake_for_rollout)
 from infra.lora import add_lora_flags, describe, lora_settings, param_groups, peak_lr
 from infra.offload import trainer_offloaded
-from infra.training import (TIMEOUT_MINUTES, check_shared_dir, collapse_alarms, cpu_group, init_distributed,
-                            load_reference, load_sharded_model, save_checkpoint, save_hf_checkpoint,
-                            start_point)
+from infra.training import (KEEP_CHECKPOINTS, TIMEOUT_MINUTES, check_shared_dir, collapse_alarms, cpu_group,
+                            init_distributed, load_reference, load_sharded_model, save_checkpoint,
+                            save_hf_checkpoint, start_point)
 from infra.update import MICRO_BATCH_TOKENS, Policy, mini_batches, step_metrics
 from rollout import (MAX_PROMPT, PROBLEMS_PER_STEP, ROLLOUTS_PER_PROBLEM, STAGE_ROLLOUTS, add_rollout_flags,
                      drop_long_prompts, read_problems, rollout_config)
@@ -133,8 +132,8 @@ infra.add_argument("--timeout-minutes", type=float, default=TIMEOUT_MINUTES,
                    help="how long a training collective (NCCL's on GPUs) may wait before the job fails; the "
                         "waits for other ranks' rollouts are on a gloo group that waits for hours")
 infra.add_argument("--save-every", type=int, default=10,
-                   help="sharded checkpoint (model, optimizer, data position) every N steps, the newest 3 "
-                        "kept; the last step is always saved (0: only the last)")
+                   help=f"sharded checkpoint (model, optimizer, data position) every N steps, the newest "
+                        f"{KEEP_CHECKPOINTS} kept; the last step is always saved (0: only the last)")
 infra.add_argument("--export-every", type=int, default=50, help="HF-format export every N steps and the last")
 infra.add_argument("--wandb", default="", help="a wandb project name to log to (needs wandb installed)")
 # Settings without a flag: a preset or a fork changes them (the toy preset: deterministic, sample_every).
@@ -167,9 +166,12 @@ for setting in args.downsample_setting:
         downsample_settings[name] = value  # a plain string
 downsample([], args.group_size, random.Random(0), **downsample_settings)  # a bad value fails here
 mismatch_mode, _, k = args.mismatch_correction.partition(":")
-mismatch_threshold = float(k or 2.0)
-if mismatch_mode not in MISMATCH_MODES:
-    raise SystemExit(f"--mismatch-correction {mismatch_mode}: not a mode\n---> HINT: one of {MISMATCH_MODES}")
+try:  # a bad mode or K fails here, not after the first step's rollouts
+    mismatch_threshold = float(k or 2.0)
+    nothing = torch.zeros(1, 0)
+    mismatch_correction(nothing, nothing, nothing, 1, mismatch_mode, mismatch_threshold)
+except ValueError as e:
+    raise SystemExit(f"--mismatch-correction {args.mismatch_correction}: {e}")
 
 # -----------------------------------------------------------------------------
 # The memory plan (infra/memory_plan.py): --plan prints it and exits; on GPUs it sets the engine's share.
@@ -329,6 +331,7 @@ for step in range(start_step, args.steps):
                step_seconds=time.perf_counter() - t_step)
     alarms = collapse_alarms(history, row)
     history.append(row)
+    last = step + 1 == args.steps
     if master:
         idle = "" if kept else (f"\n  nothing to train: every group of the {row['drawn_problems']} problems "
                                 f"drawn was all right, all wrong or failed by the sandbox")
@@ -346,7 +349,6 @@ for step in range(start_step, args.steps):
         metrics_file.write(json.dumps(dict(row, collapse_alarms=alarms)) + "\n")
         if wandb_run:
             wandb_run.log(dict(row, collapse_alarm=len(alarms)), step=step + 1)
-        last = step + 1 == args.steps
         if last or (args.sample_every and (step + 1) % args.sample_every == 0):
             own = [t for t in trajs if t.rank == rank]  # only this rank holds its own rollouts' text
             for t in own[:: max(1, len(own) // 3)][:3]:
@@ -354,7 +356,6 @@ for step in range(start_step, args.steps):
                                    f"reward {t.reward} ({t.finish_reason}) =====\n{t.text}\n")
 
     # ---- checkpoints: every --save-every steps and always at the last (the next stage starts there) ----
-    last = step + 1 == args.steps
     if last or (args.save_every and (step + 1) % args.save_every == 0):
         meta = dict(position=position, stream_start=stream_start, config=config)
         save_checkpoint(model, optimizer, ckpt_root, step + 1, meta)

@@ -40,14 +40,14 @@ class Skip(Exception):
     """A solution that cannot be turned into a conversation; the message is the counted reason."""
 
 
-def quantity_name(words: str, used: set, fallback: str, most: int = 3) -> str:
+def quantity_name(words: str, used: set, fallback: str) -> str:
     """A Python name from the first words of `words` ("clips in May." -> clips_in_may): leading
-    filler words skipped, at most `most` words, up to punctuation or a number; `fallback` when the
+    filler words skipped, at most three words, up to punctuation or a number; `fallback` when the
     words give none. Unique in `used`, which it joins (apples, apples_2, ...)."""
     picked = []
     for token in words.split():
         word = token.strip(",.;:!?()$%'\"")
-        if not NAME_WORD.fullmatch(word) or len(picked) == most:
+        if not NAME_WORD.fullmatch(word) or len(picked) == 3:
             break
         if picked or word.lower() not in LEADING:
             picked.append(word.lower())

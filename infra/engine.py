@@ -93,7 +93,7 @@ def make_engine(model: str, max_model_len: int, seed: int = 0, memory_fraction: 
                   load_format="auto" if weights else "dummy")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = str(engine_dtype(device)).removeprefix("torch.")
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         share = float(memory_fraction or 0.5)  # (a flag's string, or the memory plan's number)
         kwargs.update(dtype=dtype, enable_sleep_mode=True, gpu_memory_utilization=share)
     else:  # CPU: eager mode starts without torch.compile's warm-up. A prompt split by

@@ -28,8 +28,8 @@ _HOST_BUFFERS = weakref.WeakKeyDictionary()
 
 @contextlib.contextmanager
 def trainer_offloaded(model, optimizer, offload: bool = True, frozen=()):
-    """The trainer's state (and `frozen` modules' weights) in host memory for the block, back on
-    `device` after; yields the host buffers. On every device the block runs without expandable segments,
+    """The trainer's state (and `frozen` modules' weights) in host memory for the block, back on its
+    device after; yields the host buffers. On every device the block runs without expandable segments,
     offloading or not: the engine wakes in it, and vLLM's sleep pools want plain segments
     (training.expandable_segments)."""
     buffers = _HOST_BUFFERS.setdefault(optimizer, {}) if offload else {}

@@ -20,7 +20,8 @@ from infra.training import cpu_group
 from rollout import Trajectory
 
 # The metrics of one optimizer step. Each term is already divided by n_loss_tokens, so the micro-batches'
-# values add up; the largest mismatch and the gradient's norm follow. step_metrics averages over steps.
+# values add up (padding_passes: a count); the largest mismatch and the gradient's norm follow.
+# step_metrics sums them over ranks and averages over steps.
 SUMMED = ["loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl", "kl_ref", "entropy",
           "logprob_mismatch", "masked_frac", "ess_sum_w", "ess_sum_w2", "ess_n", "padding_passes"]
 METRICS = SUMMED + ["logprob_mismatch_max", "grad_norm"]
@@ -94,8 +95,10 @@ class MiniBatch:
     def __iter__(self):
         self.prefix = shared_prefix(self.policy, self.rows, self.micro_batches)
         for micro_batch, old_logp in zip(self.micro_batches, self.old):
-            tensors = micro_tensors(self.policy, self.rows, self.advantages, micro_batch, self.prefix)
-            yield MicroBatch(*tensors, old_logp, self.prefix, self.policy)
+            tensors = micro_tensors(self.policy, self.rows, micro_batch, self.prefix)
+            advantages = [self.advantages[i] for i in micro_batch] or [0.0]  # (the padding's)
+            advantages = torch.tensor(advantages, device=self.policy.device)                     # (B,)
+            yield MicroBatch(*tensors, advantages, old_logp, self.prefix, self.policy)
 
     def finish(self) -> None:
         """Every rank, after the last backward: the micro-batches' gradient on the shared prefix goes back
@@ -120,18 +123,15 @@ class MiniBatch:
         self.sums["grad_norm"] = float(grad_norm) / self.policy.world_size
 
 
-def micro_tensors(policy: Policy, rows: list, advantages: list, micro_batch: list[int], prefix):
-    """A micro-batch's input_ids, attention_mask, loss_mask, sampler_logp, advantages. An empty one: a row
-    of padding after the shared prefix, nothing in its loss mask (it runs what one with data runs)."""
+def micro_tensors(policy: Policy, rows: list, micro_batch: list[int], prefix):
+    """A micro-batch's input_ids, attention_mask, loss_mask, sampler_logp. An empty one: a row of padding
+    after the shared prefix, nothing in its loss mask (it runs what one with data runs)."""
     if micro_batch:
-        rows, advantages = [rows[i] for i in micro_batch], [advantages[i] for i in micro_batch]
-    else:
-        start = policy.probes[0][:prefix.length] if prefix is not None else []
-        pad = policy.pad_id
-        rows = [Trajectory(-1, prompt_ids=[*start, pad], response_ids=[pad], loss_mask=[0], logprobs=[0.0])]
-        advantages = [0.0]
-    tensors = trajectory_tensors(rows, policy.pad_id, policy.device)
-    return *tensors, torch.tensor(advantages, device=policy.device)                                 # (B,)
+        return trajectory_tensors([rows[i] for i in micro_batch], policy.pad_id, policy.device)
+    start = policy.probes[0][:prefix.length] if prefix is not None else []
+    pad = policy.pad_id
+    padding = Trajectory(-1, prompt_ids=[*start, pad], response_ids=[pad], loss_mask=[0], logprobs=[0.0])
+    return trajectory_tensors([padding], pad, policy.device)
 
 
 def mini_batches(policy: Policy, kept: list, advantages: list, k: int = 1) -> list[MiniBatch]:
@@ -156,7 +156,7 @@ def old_logprobs(policy: Policy, kept, micro_batches) -> list[torch.Tensor]:
     """The current policy's log-probs of each of this rank's `micro_batches` of `kept`, (B, T-1) as the
     step will compute them (an empty micro-batch's row of padding too)."""
     prefix = shared_prefix(policy, kept, micro_batches)
-    tensors = (micro_tensors(policy, kept, [0.0] * len(kept), batch, prefix) for batch in micro_batches)
+    tensors = (micro_tensors(policy, kept, batch, prefix) for batch in micro_batches)
     return [scores(policy, policy.model, input_ids, mask, prefix) for input_ids, mask, *_ in tensors]
 
 

@@ -217,9 +217,12 @@ def test_errors_say_what_to_do(tmp_path, toy_sft_model, toy_world):
     for launcher, flags, hint in [(one, ["--data", str(tmp_path / "missing.jsonl")], "prepare_rl.py"),
                                   (one, ["--model", str(tmp_path / "no-model")], "sft.py --preset toy"),
                                   (one, ["--data", str(bad)], "bad.jsonl:2"),
-                                  (two, ["--problems-per-step", "3"], "does not divide across 2 ranks")]:
+                                  (two, ["--problems-per-step", "3"], "does not divide across 2 ranks"),
+                                  (one, ["--mismatch-correction", "clip"], "one of"),
+                                  (one, ["--mismatch-correction", "tis:1"], "must be > 1")]:
         proc = subprocess.run([*launcher, "train.py", "--preset", "toy", "--model", str(toy_sft_model),
                                "--data", str(toy_world / "train.jsonl"), "--out-dir", str(tmp_path / "o"), *flags],
                               cwd=ROOT, capture_output=True, text=True, timeout=600)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and hint in out and "HINT" in out, f"{flags}: no helpful error in\n{out[-2000:]}"
+        assert "model: " not in out, f"{flags}: found only after the model loaded"
